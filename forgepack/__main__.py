@@ -1,0 +1,3 @@
+from forgepack.cli import main
+
+main()

@@ -1,0 +1,47 @@
+"""Accepted kernels: what the search hands to the pack builder (`accepted.json` in the workspace).
+
+Each record points at the exact compiled object that was verified and timed: that object, not a
+recompilation, is what ships in the pack.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+FILE = "accepted.json"
+
+
+@dataclass(frozen=True)
+class AcceptedKernel:
+    card_id: str
+    target: str  # "cuda" | "cpu"
+    arch: str | None  # e.g. "sm_90"; None for cpu
+    source: str  # path of the kernel source, relative to the workspace
+    binary: str  # path of the compiled shared object, relative to the workspace
+    source_hash: str
+    speedup: float  # eager / kernel, median of interleaved timings
+    ci_low: float
+    ci_high: float
+    eager_us: float
+    kernel_us: float
+    proposer: str  # "templates:<template name>", "anthropic:<model>", "manual"
+    candidate_id: int | None = None
+    kind: str = "op"  # "op" | "fusion"
+
+
+def save_all(workspace_root: Path, kernels: list[AcceptedKernel]) -> Path:
+    path = Path(workspace_root) / FILE
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps([dataclasses.asdict(k) for k in kernels], indent=1) + "\n")
+    tmp.replace(path)
+    return path
+
+
+def load_all(workspace_root: Path) -> list[AcceptedKernel]:
+    path = Path(workspace_root) / FILE
+    if not path.exists():
+        return []
+    return [AcceptedKernel(**d) for d in json.loads(path.read_text())]

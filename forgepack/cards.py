@@ -1,0 +1,286 @@
+"""Operator cards: one per variant (op overload + full signature), the unit of work everywhere.
+
+A card is what capture saw, what profile measured, what the search optimises, what an LLM is shown,
+and what the pack's guard checks. Cards are small frozen values that round-trip through JSON.
+
+Argument encoding (schema order, one `Arg` per schema argument):
+- ``tensor``: `TensorMeta`; an optional Tensor argument passed None: `Arg(kind="none")`
+- ``tensors``: a list of `TensorMeta` (Tensor[] arguments such as `cat`'s)
+- ``value``: any other argument (int, float, bool, list of ints, dtype name, None, string); a dtype
+  is stored as its name ("bfloat16"), a device as its type ("cuda"), other enums as their str()
+
+Fusion cards (module-level chains) use the same schema with `kind="fusion"`; their `op` names the
+pattern and `chain` holds the aten calls they replace (see `forgepack.fusion`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+# dtype names as torch spells them after "torch."; `code` is the kernel ABI's fp_dtype value.
+DTYPE_CODES = {
+    "float32": 0,
+    "float16": 1,
+    "bfloat16": 2,
+    "float64": 3,
+    "int64": 4,
+    "int32": 5,
+    "int16": 6,
+    "int8": 7,
+    "uint8": 8,
+    "bool": 9,
+}
+DTYPE_SIZES = {
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float64": 8,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint8": 1,
+    "bool": 1,
+}
+FLOAT_DTYPES = ("float32", "float16", "bfloat16", "float64")
+
+
+@dataclass(frozen=True)
+class ValueStats:
+    """Summary of a captured tensor's values, so fresh inputs can be drawn like the real ones."""
+
+    mean: float = 0.0
+    std: float = 1.0
+    min: float = -1.0
+    max: float = 1.0
+    nonfinite: bool = False
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    dtype: str
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    storage_offset: int = 0
+    device: str = "cpu"  # device type only: "cpu" or "cuda"
+    stats: ValueStats | None = None
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPE_SIZES[self.dtype]
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.itemsize
+
+    def span(self) -> int:
+        """Elements of storage this view touches, from its first element (0 for an empty tensor)."""
+        if self.numel == 0:
+            return 0
+        return 1 + sum((n - 1) * abs(s) for n, s in zip(self.shape, self.stride, strict=True))
+
+    def is_contiguous(self) -> bool:
+        expected, stride = [], 1
+        for n in reversed(self.shape):
+            expected.append(stride)
+            stride *= n
+        return all(n == 1 or s == e for n, s, e in zip(self.shape, self.stride, reversed(expected), strict=True))
+
+    def signature(self) -> str:
+        """Short human form, e.g. bf16[1,512,2048] or f32[8,8]:(1,8)."""
+        short = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "float64": "f64"}.get(self.dtype, self.dtype)
+        text = f"{short}[{','.join(map(str, self.shape))}]"
+        if not self.is_contiguous():
+            text += f":({','.join(map(str, self.stride))})"
+        if self.storage_offset:
+            text += f"+{self.storage_offset}"
+        return text
+
+    def key(self) -> tuple:
+        return (self.dtype, self.shape, self.stride, self.storage_offset, self.device)
+
+
+@dataclass(frozen=True)
+class Arg:
+    name: str
+    kind: str  # "tensor" | "tensors" | "none" | "value"
+    tensor: TensorMeta | None = None
+    tensors: tuple[TensorMeta, ...] = ()
+    value: Any = None
+
+    def key(self) -> tuple:
+        if self.kind == "tensor":
+            return (self.name, self.tensor.key())
+        if self.kind == "tensors":
+            return (self.name, tuple(t.key() for t in self.tensors))
+        return (self.name, self.kind, _freeze(self.value))
+
+
+def _freeze(value: Any) -> Any:
+    return tuple(_freeze(v) for v in value) if isinstance(value, list | tuple) else value
+
+
+@dataclass(frozen=True)
+class Profile:
+    """What `forgepack profile` measured for one card."""
+
+    eager_us: float = 0.0  # median time of one call, in isolation
+    total_us: float = 0.0  # eager_us * calls
+    share: float = 0.0  # of the summed per-variant time of the whole model
+    bytes: int = 0
+    flops: int = 0
+    roofline_us: float = 0.0
+    headroom: float = 1.0  # eager_us / roofline_us
+    baseline: str = "native"  # "vendor" | "native" | "view"
+    kernels: tuple[str, ...] = ()  # device kernels the profiler saw for one call
+
+
+@dataclass(frozen=True)
+class Card:
+    op: str  # overload, e.g. "aten::_softmax" + "." + "default" -> "aten._softmax.default"
+    schema: str  # full schema string, e.g. "aten::_softmax(Tensor self, int dim, bool half_to_float) -> Tensor"
+    args: tuple[Arg, ...]
+    outputs: tuple[TensorMeta, ...]
+    kind: str = "op"  # "op" | "fusion"
+    calls: int = 0
+    modules: tuple[str, ...] = ()  # module paths that issued this call, most frequent first
+    samples: int = 0  # sample input sets kept in the workspace for this card
+    profile: Profile | None = None
+    chain: tuple[dict, ...] = ()  # fusion cards: the aten calls the fusion replaces
+    fusion: dict | None = None  # fusion cards: pattern, module class, config facts
+
+    @property
+    def id(self) -> str:
+        return variant_id(self.op, self.args)
+
+    @property
+    def op_name(self) -> str:
+        """The overload without namespace and default overload, e.g. `_softmax` or `add.Tensor`."""
+        name = self.op.split(".", 1)[1] if self.op.startswith("aten.") else self.op
+        return name.removesuffix(".default")
+
+    def tensor_inputs(self) -> list[TensorMeta | None]:
+        """Kernel ABI input order: tensor args in schema order, lists flattened, None kept as None."""
+        out: list[TensorMeta | None] = []
+        for a in self.args:
+            if a.kind == "tensor":
+                out.append(a.tensor)
+            elif a.kind == "tensors":
+                out.extend(a.tensors)
+            elif a.kind == "none":
+                out.append(None)
+        return out
+
+    def scalars(self) -> list[Any]:
+        """Kernel ABI scalars: numeric/bool non-tensor args in schema order, int lists flattened."""
+        out: list[Any] = []
+        for a in self.args:
+            if a.kind != "value":
+                continue
+            if isinstance(a.value, list | tuple):
+                out.extend(v for v in a.value if isinstance(v, int | float | bool))
+            elif isinstance(a.value, int | float | bool):
+                out.append(a.value)
+        return out
+
+    def signature(self) -> str:
+        """Short form for tables: tensor shapes and the non-tensor values that matter."""
+        parts = []
+        for a in self.args:
+            if a.kind == "tensor":
+                parts.append(a.tensor.signature())
+            elif a.kind == "tensors":
+                parts.append("[" + ",".join(t.signature() for t in a.tensors) + "]")
+            elif a.kind == "value" and a.value is not None:
+                parts.append(f"{a.name}={_short_value(a.value)}")
+        return ", ".join(parts)
+
+    def with_profile(self, profile: Profile) -> Card:
+        return dataclasses.replace(self, profile=profile)
+
+
+def _short_value(value: Any) -> str:
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 2**62:
+        return "max" if value > 0 else "min"  # slice ends like sys.maxsize
+    if isinstance(value, float):
+        return f"{value:g}"
+    if isinstance(value, list | tuple):
+        return "[" + ",".join(_short_value(v) for v in value) + "]"
+    return str(value)
+
+
+def variant_id(op: str, args: tuple[Arg, ...]) -> str:
+    """Stable short id of a variant: op overload + full signature."""
+    digest = hashlib.sha256(repr((op, tuple(a.key() for a in args))).encode()).hexdigest()[:10]
+    name = op.removeprefix("aten.").removesuffix(".default").replace(".", "_")
+    return f"{name}-{digest}"
+
+
+# --- JSON round trip -----------------------------------------------------------------------------
+
+
+def to_json(card: Card) -> dict[str, Any]:
+    data = dataclasses.asdict(card)
+    data["id"] = card.id
+    return data
+
+
+def from_json(data: dict[str, Any]) -> Card:
+    def meta(d: dict | None) -> TensorMeta | None:
+        if d is None:
+            return None
+        stats = ValueStats(**d["stats"]) if d.get("stats") else None
+        return TensorMeta(
+            dtype=d["dtype"],
+            shape=tuple(d["shape"]),
+            stride=tuple(d["stride"]),
+            storage_offset=d.get("storage_offset", 0),
+            device=d.get("device", "cpu"),
+            stats=stats,
+        )
+
+    def arg(d: dict) -> Arg:
+        return Arg(
+            name=d["name"],
+            kind=d["kind"],
+            tensor=meta(d.get("tensor")),
+            tensors=tuple(meta(t) for t in d.get("tensors", ())),
+            value=d.get("value"),
+        )
+
+    prof = data.get("profile")
+    profile = Profile(**{**prof, "kernels": tuple(prof.get("kernels", ()))}) if prof else None
+    card = Card(
+        op=data["op"],
+        schema=data["schema"],
+        args=tuple(arg(a) for a in data["args"]),
+        outputs=tuple(meta(o) for o in data["outputs"]),
+        kind=data.get("kind", "op"),
+        calls=data.get("calls", 0),
+        modules=tuple(data.get("modules", ())),
+        samples=data.get("samples", 0),
+        profile=profile,
+        chain=tuple(data.get("chain", ())),
+        fusion=data.get("fusion"),
+    )
+    if "id" in data and data["id"] != card.id:
+        raise ValueError(f"card id {data['id']} does not match its contents ({card.id}): edited by hand?")
+    return card
+
+
+def save(card: Card, path: str | Path) -> None:
+    Path(path).write_text(json.dumps(to_json(card), indent=1) + "\n")
+
+
+def load(path: str | Path) -> Card:
+    return from_json(json.loads(Path(path).read_text()))

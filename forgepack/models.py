@@ -1,0 +1,239 @@
+"""Model + example inputs from a recipe, through the real loading path.
+
+- inline config: built from the config with random weights (no hub is needed), on the target device;
+- local directory: `from_pretrained(path)`;
+- hub id: `huggingface_hub.snapshot_download` (honours the HF cache and `HF_HUB_OFFLINE`), then
+  `from_pretrained` on the downloaded directory.
+
+Inputs follow the workload: token ids for language models (prefill: `seq_len` tokens; decode: one step
+of `seq_len` tokens after `cache_len` tokens already in the KV cache), pixels for image classifiers.
+Prefill runs with `use_cache=False` (the forward's compute, without building a cache object). Decode
+keeps the cache at `cache_len` tokens so that repeated steps are identical: a `StaticCache` is written
+at the same positions again; a dynamic cache is cropped back after each step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from forgepack.errors import ForgepackError
+from forgepack.recipe import Recipe
+
+_TASK_AUTO = {
+    "causal-lm": "AutoModelForCausalLM",
+    "text-encoder": "AutoModel",
+    "image-classification": "AutoModelForImageClassification",
+}
+
+
+@dataclass
+class LoadedModel:
+    recipe: Recipe
+    model: torch.nn.Module
+    inputs: dict[str, Any]
+    device: torch.device
+    dtype: torch.dtype
+    after_step: Callable[[], None] | None = None  # decode: put the cache back to cache_len tokens
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def forward(self, inputs: dict[str, Any] | None = None) -> Any:
+        """One forward (no grad) on the example inputs, or on `inputs`; the cache is left advanced."""
+        with torch.no_grad():
+            return self.model(**(self.inputs if inputs is None else inputs))
+
+    def reset(self) -> None:
+        """Undo a forward's effect on model state (decode: the cache goes back to cache_len tokens)."""
+        if self.after_step is not None:
+            self.after_step()
+
+    def run(self, inputs: dict[str, Any] | None = None) -> Any:
+        """One forward, repeatable: same inputs, same cache state afterwards."""
+        out = self.forward(inputs)
+        self.reset()
+        return out
+
+    def make_inputs(self, seed: int) -> dict[str, Any]:
+        """Fresh inputs of the same shapes (same cache state for decode), for the end-to-end gate."""
+        gen = torch.Generator().manual_seed(seed)
+        fresh = dict(self.inputs)
+        for name, value in self.inputs.items():
+            if not isinstance(value, torch.Tensor) or name in ("cache_position", "attention_mask", "position_ids"):
+                continue
+            if value.dtype.is_floating_point:
+                fresh[name] = torch.randn(value.shape, generator=gen).to(value.device, value.dtype)
+            else:
+                high = self.extra.get("vocab_size", int(value.max()) + 1)
+                fresh[name] = torch.randint(0, high, value.shape, generator=gen).to(value.device)
+        return fresh
+
+    def output_tensor(self, out: Any) -> torch.Tensor:
+        """The tensor to compare end to end: logits, or the last hidden state for encoders."""
+        for name in ("logits", "last_hidden_state"):
+            value = getattr(out, name, None)
+            if isinstance(value, torch.Tensor):
+                return value
+        if isinstance(out, torch.Tensor):
+            return out
+        if isinstance(out, tuple | list) and out and isinstance(out[0], torch.Tensor):
+            return out[0]
+        raise ForgepackError(f"cannot find an output tensor in {type(out).__name__}")
+
+
+def target_device(recipe: Recipe) -> torch.device:
+    if recipe.target.device == "cuda":
+        if not torch.cuda.is_available():
+            raise ForgepackError("target 'cuda' needs a CUDA GPU, and none is visible here; use --target cpu")
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def check_dtype(dtype: torch.dtype, device: torch.device) -> None:
+    """Refuse a dtype the device cannot run, before loading gigabytes of weights."""
+    if device.type == "cuda" and dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
+        name = torch.cuda.get_device_name(device)
+        raise ForgepackError(f"dtype bfloat16 is not supported on {name}; use float16 or float32")
+    try:
+        a = torch.ones(4, 4, dtype=dtype, device=device)
+        (a @ a).sum().item()
+    except RuntimeError as err:
+        first = str(err).splitlines()[0]
+        raise ForgepackError(f"dtype {dtype} cannot run on {device.type}: {first}") from None
+
+
+def load(recipe: Recipe) -> LoadedModel:
+    device = target_device(recipe)
+    dtype = getattr(torch, recipe.workload.dtype)
+    check_dtype(dtype, device)
+    model = _build(recipe, device, dtype)
+    model.eval()
+    return _with_inputs(recipe, model, device, dtype)
+
+
+def _build(recipe: Recipe, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    import transformers
+
+    spec = recipe.model
+    if spec.config is not None:
+        return _from_config(recipe, device, dtype)
+    if spec.path and not Path(spec.path).expanduser().is_dir():
+        raise ForgepackError(f"model directory {spec.path} does not exist")
+    path = str(Path(spec.path).expanduser()) if spec.path else _download(spec.hub, spec.revision)
+    auto = getattr(transformers, spec.arch or _TASK_AUTO[recipe.workload.task])
+    try:
+        model = auto.from_pretrained(path, dtype=dtype)
+    except (OSError, ValueError) as err:
+        first = str(err).strip().splitlines()[0]
+        raise ForgepackError(f"cannot load a model from {path}: {first}") from None
+    return model.to(device)
+
+
+def _from_config(recipe: Recipe, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    import transformers
+
+    spec = recipe.model
+    values = dict(spec.config)
+    model_type = values.pop("model_type")
+    try:
+        config = transformers.AutoConfig.for_model(model_type, **values)
+    except ValueError:
+        raise ForgepackError(f"unknown model_type {model_type!r} in 'model.config'") from None
+    class_name = spec.arch or _TASK_AUTO[recipe.workload.task]
+    cls = getattr(transformers, class_name, None)
+    if cls is None:
+        raise ForgepackError(f"'model.arch' = {class_name!r} is not a transformers model class")
+    torch.manual_seed(spec.seed)
+    with torch.device(device):  # initialise on the target: seconds instead of minutes for 1B params
+        model = cls.from_config(config) if hasattr(cls, "from_config") else cls(config)
+    return model.to(dtype)
+
+
+def _download(repo_id: str, revision: str | None) -> str:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
+
+    try:
+        return snapshot_download(repo_id, revision=revision)
+    except RepositoryNotFoundError:
+        raise ForgepackError(f"unknown model {repo_id!r}: no such repository on the Hugging Face Hub") from None
+    except (LocalEntryNotFoundError, HfHubHTTPError, OSError) as err:
+        kind = type(err).__name__
+        raise ForgepackError(
+            f"cannot reach the Hugging Face Hub for {repo_id!r} ({kind}): use a local directory "
+            "(model.path) or a model already in the HF cache (HF_HUB_OFFLINE=1)"
+        ) from None
+
+
+def _with_inputs(recipe: Recipe, model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> LoadedModel:
+    w = recipe.workload
+    gen = torch.Generator().manual_seed(1234)
+    config = model.config
+    if w.task == "image-classification":
+        size = w.image_size
+        channels = getattr(config, "num_channels", 3)
+        pixels = torch.randn(w.batch, channels, size, size, generator=gen).to(device, dtype)
+        return LoadedModel(recipe, model, {"pixel_values": pixels}, device, dtype)
+    vocab = config.get_text_config().vocab_size
+    ids = torch.randint(0, vocab, (w.batch, w.seq_len), generator=gen).to(device)
+    extra = {"vocab_size": vocab}
+    if w.task == "text-encoder":
+        mask = torch.ones_like(ids)
+        return LoadedModel(recipe, model, {"input_ids": ids, "attention_mask": mask}, device, dtype, extra=extra)
+    if w.phase == "prefill":
+        return LoadedModel(recipe, model, {"input_ids": ids, "use_cache": False}, device, dtype, extra=extra)
+    return _decode(recipe, model, ids, device, dtype, gen, extra)
+
+
+def _decode(recipe, model, ids, device, dtype, gen, extra) -> LoadedModel:
+    from transformers import DynamicCache, StaticCache
+
+    w = recipe.workload
+    vocab = extra["vocab_size"]
+    if w.static_cache:
+        cache = StaticCache(config=model.config, max_cache_len=w.cache_len + w.seq_len)
+    else:
+        cache = DynamicCache()
+    if w.cache_len:
+        prompt = torch.randint(0, vocab, (w.batch, w.cache_len), generator=gen).to(device)
+        with torch.no_grad():
+            model(input_ids=prompt, use_cache=True, cache_position=torch.arange(w.cache_len, device=device),
+                  **{_cache_kwarg(model): cache})
+    positions = torch.arange(w.cache_len, w.cache_len + w.seq_len, device=device)
+    inputs = {"input_ids": ids, _cache_kwarg(model): cache, "use_cache": True, "cache_position": positions}
+    extra["cache"] = cache
+    return LoadedModel(recipe, model, inputs, device, dtype, after_step=lambda: rewind(cache, w.seq_len), extra=extra)
+
+
+def _cache_kwarg(model: torch.nn.Module) -> str:
+    """transformers 5.2x renamed `past_key_values` to `cache` (the old name warns until 5.40)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def rewind(cache: Any, tokens: int) -> None:
+    """Forget the last `tokens` positions so the next step repeats this one.
+
+    transformers 5.2x counts a static cache's length on the device and advances it in every step;
+    `crop(-n)` moves it back in place (graph-safe). Earlier static caches are written at the explicit
+    `cache_position` and need nothing; dynamic caches have accepted `crop(-n)` throughout.
+    """
+    with contextlib.suppress(AttributeError, NotImplementedError, RuntimeError, ValueError):
+        cache.crop(-tokens)
+
+
+@contextlib.contextmanager
+def quiet_transformers():
+    """transformers logs warnings for random-weight models; they are expected here."""
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)

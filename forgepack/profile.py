@@ -1,0 +1,256 @@
+"""Profile: where a model's time goes on this device, per variant and end to end.
+
+Per variant: eager time of one call measured in isolation (device events, warm-up, L2 flushed before
+each repetition, median) on the captured inputs; bytes, FLOPs and roofline time on the measured device
+ceilings; baseline class from the device kernels the profiler saw for that call (`vendor`: cuBLAS,
+cuDNN, flash/cutlass; `native`: PyTorch's own; `view`: no kernel). End to end: median forward time,
+and the GPU-busy fraction (device kernel time over wall time) that says when a model is launch-bound.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import math
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from forgepack import capture as capture_mod
+from forgepack import devices, opcall, roofline, samples, timing
+from forgepack.cards import Card, Profile
+from forgepack.models import LoadedModel
+from forgepack.recipe import Recipe
+from forgepack.workspace import Workspace
+
+VENDOR_KERNELS = re.compile(r"gemm|cublas|cutlass|cudnn|flash|fmha|xmma|nvjet|sm\d+_|wgmma|cusparse|cufft", re.I)
+CPU_VENDOR_OPS = {"mm", "addmm", "bmm", "baddbmm", "convolution", "_convolution", "mkldnn_convolution",
+                  "_scaled_dot_product_flash_attention_for_cpu", "_addmm_activation"}
+
+
+@dataclass(frozen=True)
+class ModelProfile:
+    recipe: str
+    device: str
+    arch: str | None
+    e2e_ms: float
+    gpu_busy: float | None  # device kernel time / wall time of one forward; None on cpu
+    kernel_ms: float | None
+    aten_calls: int
+    variants: int
+    op_time_ms: float  # summed isolated time of every call
+    diagnosis: str
+    torch_version: str
+    date: str
+    recipe_fingerprint: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def classify(op_name: str, kernels: list[str], device_type: str, is_view: bool) -> str:
+    """Baseline class of a variant from the kernels one call launched (cuda) or the op (cpu)."""
+    if device_type == "cuda":
+        if not kernels:
+            return "view"
+        return "vendor" if any(VENDOR_KERNELS.search(k) for k in kernels) else "native"
+    if is_view:
+        return "view"
+    return "vendor" if op_name.split(".")[0] in CPU_VENDOR_OPS else "native"
+
+
+def is_view_op(card: Card) -> bool:
+    func = opcall.resolve(card.op)
+    returns = func._schema.returns
+    return bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
+
+
+def aliases_input(fn: Callable[[], Any], inputs: list) -> bool:
+    """Whether every output shares storage with an input (`_unsafe_view` is a view its schema hides)."""
+    outputs = opcall.flatten_outputs(fn())
+    storages = {t.untyped_storage().data_ptr() for t in inputs if t is not None}
+    return bool(outputs) and all(o.untyped_storage().data_ptr() in storages for o in outputs)
+
+
+def diagnose(gpu_busy: float | None, e2e_ms: float, op_ms: float, cards: list[Card]) -> str:
+    """One line: what would move this model's end-to-end time most."""
+    by_class: dict[str, float] = {}
+    for c in cards:
+        by_class[c.profile.baseline] = by_class.get(c.profile.baseline, 0.0) + c.profile.share
+    vendor = by_class.get("vendor", 0.0)
+    if gpu_busy is not None and gpu_busy < 0.6:
+        return (f"launch-bound: the GPU is busy {gpu_busy:.0%} of the forward; fewer launches (fusion, graph mode) "
+                "pay more than faster kernels")
+    if gpu_busy is None and op_ms < 0.6 * e2e_ms:
+        return (f"overhead-bound: isolated op time is {op_ms / e2e_ms:.0%} of the forward; dispatch and Python "
+                "overhead dominate, so fusion pays more than faster kernels")
+    if vendor >= 0.5:
+        return f"vendor-bound: {vendor:.0%} of op time is in vendor kernels (matmul/conv), which are rarely beaten"
+    return f"kernel-bound in native ops ({by_class.get('native', 0.0):.0%} of op time): faster kernels pay directly"
+
+
+def _call(card: Card, inputs: list, device: torch.device) -> Callable[[], Any]:
+    func = opcall.resolve(card.op)
+    args, kwargs = opcall.call_args(card, inputs, device)
+    return lambda: func(*args, **kwargs)
+
+
+def _inputs_for(card: Card, sets: list, device: torch.device) -> list:
+    if sets:
+        metas = card.tensor_inputs()
+        pairs = zip(metas, sets[0][0], strict=True)
+        return [None if m is None else samples.materialize(m, t, device) for m, t in pairs]
+    return samples.fresh_inputs(card, seed=0, device=device)
+
+
+def _kernels_of(fn: Callable[[], Any]) -> list[str]:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def measure_card(card: Card, sets: list, device: torch.device, facts: devices.DeviceFacts) -> Profile:
+    """Time one variant in isolation and place it on the roofline; a call that fails has no time."""
+    roof = roofline.roofline(card, facts)
+    reps = 20 if device.type == "cuda" else 7
+    view = is_view_op(card)
+    try:
+        inputs = _inputs_for(card, sets, device)
+        fn = _call(card, inputs, device)
+        view = view or aliases_input(fn, inputs)
+        eager_us = timing.median(timing.time_us(fn, device, reps=reps, warmup=2))
+        kernels = _kernels_of(fn) if device.type == "cuda" else []
+    except (RuntimeError, IndexError, ValueError, TypeError):
+        eager_us, kernels = 0.0, []
+    baseline = classify(card.op_name, kernels, device.type, view)
+    return Profile(
+        eager_us=eager_us,
+        total_us=eager_us * card.calls,
+        bytes=roof.bytes,
+        flops=roof.flops,
+        roofline_us=roof.us,
+        headroom=eager_us / roof.us if roof.us > 0 else 1.0,
+        baseline=baseline,
+        kernels=tuple(dict.fromkeys(kernels))[:4],
+    )
+
+
+def _with_shares(cards: list[Card]) -> list[Card]:
+    total = sum(c.profile.total_us for c in cards) or 1.0
+    return [c.with_profile(dataclasses.replace(c.profile, share=c.profile.total_us / total)) for c in cards]
+
+
+def end_to_end(lm: LoadedModel, reps: int) -> float:
+    def step():
+        with torch.inference_mode():
+            lm.model(**lm.inputs)
+        lm.reset()
+
+    return timing.median(timing.time_us(step, lm.device, reps=reps, warmup=3, flush=False)) / 1e3
+
+
+def kernel_time_ms(lm: LoadedModel) -> float:
+    """Device kernel time of one forward, from the profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        lm.run()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return sum(e.device_time for e in kernels if e.device_time > 0) / 1e3
+
+
+def recipe_fingerprint(recipe: Recipe) -> str:
+    """What determines a profile: everything but the build settings."""
+    import hashlib
+    import json
+
+    from forgepack.recipe import to_dict
+
+    data = {k: v for k, v in to_dict(recipe).items() if k != "build"}
+    return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def run_profile(recipe: Recipe, workspace: Workspace, progress: Callable[[str, int, int], None] | None = None):
+    """Load, capture, time every variant, write the workspace. Returns (ModelProfile, cards)."""
+    from forgepack import models
+
+    note = progress or (lambda *_: None)
+    note("loading model", 0, 1)
+    with models.quiet_transformers():
+        lm = models.load(recipe)
+        lm.run()  # warm-up outside the capture: lazy initialisation (caches, kernels) is not the model's work
+        cap = capture_mod.capture(lm.model, lm.forward)  # the forward alone: resetting the cache is not its work
+        lm.reset()
+    facts = devices.facts(lm.device)
+    profiled = []
+    for i, card in enumerate(cap.cards):
+        note(f"timing {card.op_name}", i, len(cap.cards))
+        profiled.append(card.with_profile(measure_card(card, cap.samples[card.id], lm.device, facts)))
+    cards = _with_shares(profiled)
+    note("end to end", len(cards), len(cards))
+    reps = 30 if lm.device.type == "cuda" else 10
+    e2e_ms = end_to_end(lm, reps)
+    kernel_ms = kernel_time_ms(lm) if lm.device.type == "cuda" else None
+    busy = min(1.0, kernel_ms / e2e_ms) if kernel_ms is not None else None
+    op_ms = sum(c.profile.total_us for c in cards) / 1e3
+    result = ModelProfile(
+        recipe=recipe.name,
+        device=facts.summary(),
+        arch=facts.arch,
+        e2e_ms=e2e_ms,
+        gpu_busy=busy,
+        kernel_ms=kernel_ms,
+        aten_calls=cap.total_calls,
+        variants=len(cards),
+        op_time_ms=op_ms,
+        diagnosis=diagnose(busy, e2e_ms, op_ms, cards),
+        torch_version=torch.__version__,
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        recipe_fingerprint=recipe_fingerprint(recipe),
+    )
+    return result, _write(workspace, recipe, result, cards, cap)
+
+
+def _write(workspace: Workspace, recipe: Recipe, result: ModelProfile, cards: list[Card], cap) -> list[Card]:
+    workspace.create()
+    workspace.save_recipe(recipe)
+    saved = []
+    for card in cards:
+        kept = samples.save_samples(workspace.sample_path(card.id), cap.samples[card.id])
+        saved.append(dataclasses.replace(card, samples=kept))
+        workspace.save_card(saved[-1])
+    workspace.write_json("profile.json", result.to_json())
+    return saved
+
+
+def load_profile(workspace: Workspace) -> ModelProfile | None:
+    if not workspace.profile_path.exists():
+        return None
+    return ModelProfile(**workspace.read_json("profile.json"))
+
+
+def ensure_profile(recipe: Recipe, workspace: Workspace, progress=None) -> list[Card]:
+    """The workspace's cards, profiling first unless a profile of this same recipe is already there."""
+    existing = load_profile(workspace)
+    if existing and existing.recipe_fingerprint == recipe_fingerprint(recipe):
+        cards = workspace.load_cards()
+        if cards:
+            return cards
+    return run_profile(recipe, workspace, progress)[1]
+
+
+def top_share(cards: list[Card], n: int) -> list[Card]:
+    ranked = sorted(cards, key=lambda c: -c.profile.share)
+    return ranked[:n]
+
+
+def headroom_text(card: Card) -> str:
+    h = card.profile.headroom
+    return "-" if not math.isfinite(h) or card.profile.baseline == "view" else f"{h:.1f}x"

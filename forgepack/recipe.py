@@ -1,0 +1,247 @@
+"""Recipes: what to build a pack for, as data that round-trips through TOML.
+
+A recipe names a model (hub id, local directory, or an inline config with random weights), a workload
+(task, phase, batch, lengths, dtype), a target and build settings. Unknown keys and bad values are
+rejected with a message naming them. `load -> save -> load` gives an equal object.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import tomllib
+
+from forgepack.errors import UsageError
+
+BUILTIN_DIR = Path(__file__).parent / "recipes"
+DEFAULT_RECIPE = "tiny-llama"
+
+TASKS = ("causal-lm", "text-encoder", "image-classification")
+PHASES = ("prefill", "decode")
+DTYPES = ("float32", "float16", "bfloat16")
+TARGETS = ("cpu", "cuda")
+PROPOSERS = ("templates", "anthropic")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Exactly one of `hub`, `path`, `config` says where the model comes from."""
+
+    hub: str | None = None
+    revision: str | None = None
+    path: str | None = None
+    config: dict[str, Any] | None = None
+    arch: str | None = None  # transformers class for an inline config, e.g. "LlamaForCausalLM"
+    seed: int = 0
+
+    def source(self) -> str:
+        if self.hub:
+            return f"hub:{self.hub}"
+        if self.path:
+            return f"path:{self.path}"
+        return f"inline:{self.arch or self.config.get('model_type', '?')}"
+
+
+@dataclass(frozen=True)
+class Workload:
+    task: str = "causal-lm"
+    phase: str = "prefill"
+    batch: int = 1
+    seq_len: int = 32
+    cache_len: int = 0  # decode: tokens already in the KV cache
+    image_size: int = 224
+    dtype: str = "float32"
+    static_cache: bool = False  # decode: transformers StaticCache, so each step has fixed shapes
+
+
+@dataclass(frozen=True)
+class Target:
+    device: str = "cpu"
+    arch: str | None = None  # e.g. "sm_90"; detected from the GPU when omitted
+
+
+@dataclass(frozen=True)
+class BuildSettings:
+    budget: int = 16
+    proposer: str = "templates"
+    margin: float = 0.05
+    max_cost: float | None = None  # USD, for LLM proposers
+    llm_model: str = "claude-sonnet-4-5"
+    gate: bool = True
+
+
+@dataclass(frozen=True)
+class Recipe:
+    name: str
+    model: ModelSpec
+    workload: Workload = field(default_factory=Workload)
+    target: Target = field(default_factory=Target)
+    build: BuildSettings = field(default_factory=BuildSettings)
+
+    @property
+    def slug(self) -> str:
+        return slugify(self.name)
+
+    def replace(self, **sections: dict[str, Any]) -> Recipe:
+        """A copy with some fields of some sections changed, validated like a file: CLI overrides."""
+        data = to_dict(self)
+        for section, values in sections.items():
+            if section == "name":
+                data["name"] = values
+                continue
+            data.setdefault(section, {}).update({k: v for k, v in values.items() if v is not None})
+        return from_dict(data, origin="command line")
+
+
+def slugify(name: str) -> str:
+    slug = re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
+    if not slug:
+        raise UsageError(f"recipe name {name!r} has no letters or digits to make a slug from")
+    return slug
+
+
+_SECTIONS = {"model": ModelSpec, "workload": Workload, "target": Target, "build": BuildSettings}
+
+
+def from_dict(data: dict[str, Any], origin: str = "recipe") -> Recipe:
+    """Validate a parsed TOML document; every error names the key and the value."""
+    unknown = set(data) - {"name", *_SECTIONS}
+    if unknown:
+        raise UsageError(f"{origin}: unknown key {sorted(unknown)[0]!r} (known: name, {', '.join(_SECTIONS)})")
+    if "name" not in data or not isinstance(data["name"], str):
+        raise UsageError(f"{origin}: 'name' is required and must be a string")
+    if "model" not in data:
+        raise UsageError(f"{origin}: a [model] section is required")
+    parts = {name: _section(origin, name, cls, data.get(name, {})) for name, cls in _SECTIONS.items()}
+    recipe = Recipe(name=data["name"], **parts)
+    _check(origin, recipe)
+    return recipe
+
+
+def _section(origin: str, name: str, cls: type, values: Any) -> Any:
+    if not isinstance(values, dict):
+        raise UsageError(f"{origin}: [{name}] must be a table, got {values!r}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for key, value in values.items():
+        if key not in fields:
+            raise UsageError(f"{origin}: unknown key '{name}.{key}' (known: {', '.join(fields)})")
+        _check_type(origin, f"{name}.{key}", fields[key].type, value)
+    return cls(**values)
+
+
+_TYPES = {"str": str, "int": int, "float": (int, float), "bool": bool, "dict": dict}
+
+
+def _check_type(origin: str, key: str, annotation: str, value: Any) -> None:
+    allowed = [t.strip() for t in str(annotation).split("|")]
+    if value is None and "None" in allowed:
+        return
+    for name in allowed:
+        base = name.split("[")[0]
+        expected = _TYPES.get(base)
+        if expected is None:
+            continue
+        if isinstance(value, bool) and base != "bool":
+            continue
+        if isinstance(value, expected):
+            return
+    raise UsageError(f"{origin}: '{key}' must be {' or '.join(allowed)}, got {value!r}")
+
+
+def _check(origin: str, r: Recipe) -> None:
+    m, w, t, b = r.model, r.workload, r.target, r.build
+    sources = [s for s in (m.hub, m.path, m.config) if s]
+    if len(sources) != 1:
+        raise UsageError(f"{origin}: [model] needs exactly one of 'hub', 'path' or 'config'")
+    if m.config is not None and not m.config.get("model_type"):
+        raise UsageError(f"{origin}: 'model.config' needs a 'model_type' (e.g. \"llama\")")
+    _one_of(origin, "workload.task", w.task, TASKS)
+    _one_of(origin, "workload.phase", w.phase, PHASES)
+    _one_of(origin, "workload.dtype", w.dtype, DTYPES)
+    _one_of(origin, "target.device", t.device, TARGETS)
+    _one_of(origin, "build.proposer", b.proposer, PROPOSERS)
+    for key, value in (("batch", w.batch), ("seq_len", w.seq_len), ("image_size", w.image_size)):
+        if value < 1:
+            raise UsageError(f"{origin}: 'workload.{key}' must be at least 1, got {value}")
+    if w.cache_len < 0:
+        raise UsageError(f"{origin}: 'workload.cache_len' must be 0 or more, got {w.cache_len}")
+    if w.phase == "decode" and w.task != "causal-lm":
+        raise UsageError(f"{origin}: 'workload.phase' = \"decode\" needs task \"causal-lm\", got {w.task!r}")
+    if t.arch is not None and not re.fullmatch(r"sm_\d{2,3}a?", t.arch):
+        raise UsageError(f"{origin}: 'target.arch' must look like \"sm_90\", got {t.arch!r}")
+    if b.budget < 0:
+        raise UsageError(f"{origin}: 'build.budget' must be 0 or more, got {b.budget}")
+    if not -1.0 < b.margin < 10.0:
+        raise UsageError(f"{origin}: 'build.margin' must be between -1 and 10, got {b.margin}")
+
+
+def _one_of(origin: str, key: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise UsageError(f"{origin}: '{key}' must be one of {', '.join(allowed)}; got {value!r}")
+
+
+def to_dict(recipe: Recipe) -> dict[str, Any]:
+    """Plain data for TOML: None values are left out (TOML has no null)."""
+
+    def clean(obj: Any) -> dict[str, Any]:
+        return {k: v for k, v in dataclasses.asdict(obj).items() if v is not None}
+
+    return {"name": recipe.name, **{name: clean(getattr(recipe, name)) for name in _SECTIONS}}
+
+
+def loads(text: str, origin: str = "recipe") -> Recipe:
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as err:
+        raise UsageError(f"{origin}: not valid TOML: {err}") from None
+    return from_dict(data, origin)
+
+
+def load(path: str | Path) -> Recipe:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as err:
+        raise UsageError(f"cannot read recipe {path}: {err.strerror}") from None
+    return loads(text, origin=str(path))
+
+
+def dumps(recipe: Recipe) -> str:
+    import tomli_w  # lazy: only writing needs it, and the GPU machine may not have it
+
+    return tomli_w.dumps(to_dict(recipe))
+
+
+def save(recipe: Recipe, path: str | Path) -> None:
+    Path(path).write_text(dumps(recipe))
+
+
+def builtin_names() -> list[str]:
+    return sorted(p.stem for p in BUILTIN_DIR.glob("*.toml"))
+
+
+def resolve(spec: str | None) -> Recipe:
+    """A recipe from a CLI argument: a .toml path, a built-in recipe name, or a model id / directory.
+
+    A bare model id or directory becomes a recipe with default workload settings; the loader decides
+    later whether it can be reached.
+    """
+    if spec is None:
+        spec = DEFAULT_RECIPE
+    path = Path(spec)
+    if spec.endswith(".toml"):
+        if not path.is_file():
+            raise UsageError(f"recipe file {spec} does not exist")
+        return load(path)
+    if spec in builtin_names():
+        return load(BUILTIN_DIR / f"{spec}.toml")
+    if path.exists() or spec.startswith((".", "/", "~")):
+        return from_dict({"name": path.resolve().name or "model", "model": {"path": spec}}, origin=spec)
+    if re.fullmatch(r"[\w.\-]+/[\w.\-]+", spec):
+        return from_dict({"name": spec.split("/")[-1], "model": {"hub": spec}}, origin=spec)
+    known = ", ".join(builtin_names())
+    raise UsageError(f"{spec!r} is not a recipe file, a built-in recipe ({known}), a directory or a hub id")

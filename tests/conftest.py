@@ -1,0 +1,71 @@
+"""Shared test setup.
+
+- `gpu` tests are skipped cleanly without a CUDA GPU.
+- Every test runs with its own FORGEPACK_HOME and cache directory, and the session fails if a test
+  left files behind in the repository.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def isolated_dirs(tmp_path_factory, monkeypatch):
+    home = tmp_path_factory.mktemp("home")
+    monkeypatch.setenv("FORGEPACK_HOME", str(home))
+    monkeypatch.setenv("FORGEPACK_CACHE", str(tmp_path_factory.mktemp("cache")))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    yield home
+
+
+# Source files may appear while people edit the tree during a test run; artefacts a test could leave
+# (workspaces, wheels, objects, reports) are what this check is for.
+_SOURCE = (".py", ".md", ".toml", ".cu", ".cpp", ".h", ".sh", ".txt", ".cfg")
+
+
+def _untracked() -> set[str]:
+    out = subprocess.run(
+        ["git", "status", "--porcelain", "--untracked-files=all", "--ignored=matching"],
+        cwd=REPO, capture_output=True, text=True, check=False,
+    ).stdout
+    paths = {line[3:] for line in out.splitlines()}
+    return {p for p in paths if not p.endswith(_SOURCE) and "__pycache__" not in p and ".egg-info" not in p}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_files_left_behind():
+    before = _untracked()
+    yield
+    left = _untracked() - before
+    assert not left, f"tests left files behind in the repository: {sorted(left)[:10]}"
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> Path:
+    """A tiny Llama saved to disk with random weights, loadable through the real loading path."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=256, max_position_embeddings=256,
+    )
+    path = tmp_path_factory.mktemp("models") / "tiny-llama"
+    LlamaForCausalLM(config).save_pretrained(path)
+    return path

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Everything that needs the GPU, in one call on the GPU machine: GPU tests first, then benchmarks.
+# Results land in $OUT (default benchmarks/out) as results.tar.gz + summary.txt (the device returns
+# at most 8 files, so the per-benchmark JSON/markdown files are bundled).
+#
+#   bash tools/gpu_check.sh                 # every stage
+#   bash tools/gpu_check.sh tests profile   # some stages, in this order
+#
+# Stages: tests profile evaluate templates search dispatch packs graphs fusion
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+export OUT=${OUT:-benchmarks/out}
+mkdir -p "$OUT/results"
+export PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export FORGEPACK_HOME=${FORGEPACK_HOME:-/tmp/forgepack-home}
+export FORGEPACK_CACHE=${FORGEPACK_CACHE:-/tmp/forgepack-cache}
+export TRANSFORMERS_VERBOSITY=error HF_HUB_OFFLINE=1
+
+# Pure-Python packages the GPU image lacks (tomli_w, anthropic) travel as wheels in .whl/.
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
+
+stage() {
+  local name=$1; shift
+  local start=$SECONDS
+  echo "=== $name: $*"
+  "$@" 2>&1 | tee "$OUT/results/$name.log"
+  local rc=${PIPESTATUS[0]}
+  echo "=== $name: rc=$rc in $((SECONDS - start)) s" | tee -a "$OUT/summary.txt"
+}
+
+REFERENCE="llama-1b-prefill qwen2-0.5b-prefill gpt2 vit-base resnet-50 llama-1b-decode"
+stages=${*:-tests profile evaluate templates search dispatch packs graphs fusion}
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee -a "$OUT/summary.txt"
+python3 -c 'import torch, transformers; print("torch", torch.__version__, "cuda", torch.version.cuda, "transformers", transformers.__version__)' | tee -a "$OUT/summary.txt"
+
+for s in $stages; do
+  case $s in
+    tests)     stage tests python3 -m pytest -m gpu -q -p no:cacheprovider ;;
+    profile)   stage profile python3 tools/bench_profile.py $REFERENCE ;;
+    evaluate)  stage evaluate python3 tools/bench_evaluate.py ;;
+    templates) stage templates python3 tools/bench_templates.py ;;
+    search)    stage search python3 tools/bench_search.py ;;
+    dispatch)  stage dispatch python3 tools/bench_dispatch.py ;;
+    packs)     stage packs python3 tools/bench_packs.py $REFERENCE ;;
+    graphs)    stage graphs python3 tools/bench_graphs.py ;;
+    fusion)    stage fusion python3 tools/bench_fusion.py ;;
+    *) echo "unknown stage $s" | tee -a "$OUT/summary.txt" ;;
+  esac
+done
+
+tar -czf "$OUT/results.tar.gz" -C "$OUT" results && rm -rf "$OUT/results"
+cat "$OUT/summary.txt"
