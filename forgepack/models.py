@@ -207,7 +207,8 @@ def _decode(recipe, model, ids, device, dtype, gen, extra) -> LoadedModel:
     positions = torch.arange(w.cache_len, w.cache_len + w.seq_len, device=device)
     inputs = {"input_ids": ids, _cache_kwarg(model): cache, "use_cache": True, "cache_position": positions}
     extra["cache"] = cache
-    return LoadedModel(recipe, model, inputs, device, dtype, after_step=lambda: rewind(cache, w.seq_len), extra=extra)
+    state = snapshot(cache)
+    return LoadedModel(recipe, model, inputs, device, dtype, after_step=lambda: restore(cache, state), extra=extra)
 
 
 def _cache_kwarg(model: torch.nn.Module) -> str:
@@ -215,15 +216,37 @@ def _cache_kwarg(model: torch.nn.Module) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
-def rewind(cache: Any, tokens: int) -> None:
-    """Forget the last `tokens` positions so the next step repeats this one.
+def _holders(cache: Any) -> list[Any]:
+    return [cache, *getattr(cache, "layers", ())]
 
-    transformers 5.2x counts a static cache's length on the device and advances it in every step;
-    `crop(-n)` moves it back in place (graph-safe). Earlier static caches are written at the explicit
-    `cache_position` and need nothing; dynamic caches have accepted `crop(-n)` throughout.
+
+def snapshot(cache: Any) -> list[dict[str, Any]]:
+    """The cache's position state: counters (ints, 0-d tensors) by value, key/value tensors by reference.
+
+    Restoring it makes the next decode step repeat this one on any transformers version: a dynamic cache
+    gets its shorter key/value tensors back, a static cache its length counters (copied in place, so
+    their addresses stay fixed for CUDA graphs); stale entries past the position are overwritten.
     """
-    with contextlib.suppress(AttributeError, NotImplementedError, RuntimeError, ValueError):
-        cache.crop(-tokens)
+    states = []
+    for holder in _holders(cache):
+        state = {}
+        for name, value in vars(holder).items():
+            if isinstance(value, torch.Tensor):
+                state[name] = value.clone() if value.numel() <= 1 else value
+            elif isinstance(value, int) and not isinstance(value, bool):
+                state[name] = value
+        states.append(state)
+    return states
+
+
+def restore(cache: Any, states: list[dict[str, Any]]) -> None:
+    for holder, state in zip(_holders(cache), states, strict=True):
+        for name, saved in state.items():
+            current = getattr(holder, name, None)
+            if isinstance(saved, torch.Tensor) and saved.numel() <= 1 and isinstance(current, torch.Tensor):
+                current.copy_(saved)
+            elif current is not saved:
+                setattr(holder, name, saved)
 
 
 @contextlib.contextmanager

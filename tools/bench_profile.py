@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import traceback
 import tempfile
 from pathlib import Path
 
@@ -72,18 +73,23 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=15)
     args = parser.parse_args()
     info = benchlib.meta()
-    docs, md = [], benchlib.header_md("forgepack profile of the reference recipes", info)
-    summary = []
+    docs, sections, summary = [], [], []
     for name in args.recipes:
-        data, text = one(name, args.top)
+        try:
+            data, text = one(name, args.top)
+        except Exception:  # one recipe's failure must not lose the others' results
+            traceback.print_exc()
+            summary.append([name, "failed", "", "", "", "", ""])
+            continue
         docs.append(data)
-        md += text
-        summary.append([name, f"{data['profile']['e2e_ms']:.2f}", f"{data['plain_ms']:.2f}", f"{data['ratio']:.3f}",
-                        data["profile"]["aten_calls"],
-                        f"{(data['profile']['gpu_busy'] or 0):.0%}", "yes" if abs(data["ratio"] - 1) <= 0.10 else "NO"])
-    head = tabulate(summary, ["recipe", "profile e2e ms", "plain ms", "ratio", "aten calls", "GPU busy",
-                              "within 10%"], tablefmt="github")
-    benchlib.write("profiles", {"meta": info, "recipes": docs}, md.replace("\n\n## ", f"\n\n{head}\n\n## ", 1))
+        sections.append(text)
+        p = data["profile"]
+        summary.append([name, f"{p['e2e_ms']:.2f}", f"{data['plain_ms']:.2f}", f"{data['ratio']:.3f}", p["aten_calls"],
+                        f"{(p['gpu_busy'] or 0):.0%}", "yes" if abs(data["ratio"] - 1) <= 0.10 else "NO"])
+        head = tabulate(summary, ["recipe", "profile e2e ms", "plain ms", "ratio", "aten calls", "GPU busy",
+                                  "within 10%"], tablefmt="github")
+        md = benchlib.header_md("forgepack profile of the reference recipes", info) + head + "\n\n" + "".join(sections)
+        benchlib.write("profiles", {"meta": info, "recipes": docs}, md)  # after every recipe: nothing is lost
 
 
 if __name__ == "__main__":

@@ -100,8 +100,12 @@ def main() -> None:
         "torch": torch.__version__, "cuda": torch.version.cuda, "transformers": transformers.__version__,
         "python": sys.version.split()[0], "get_kernel": hasattr(torch.library, "get_kernel"),
         "cxx11_abi": bool(torch._C._GLIBCXX_USE_CXX11_ABI), "cpus": os.cpu_count(),
-        "module_ops": module_ops(), "shim_compile_s": shim_compile_seconds(), "decode": decode_facts(),
+        "module_ops": module_ops(), "shim_compile_s": shim_compile_seconds(),
     }
+    try:
+        facts["decode"] = decode_facts()
+    except Exception as err:  # report it; the other facts still count
+        facts["decode"] = f"failed: {type(err).__name__}: {str(err).splitlines()[0][:300]}"
     text = json.dumps(facts, indent=1)
     md = benchlib.header_md("GPU machine facts", info) + f"```\n{text}\n```\n"
     benchlib.write("gpu_facts", {"meta": info, **facts}, md)
