@@ -12,8 +12,8 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import traceback
 import tempfile
+import traceback
 from pathlib import Path
 
 import torch
