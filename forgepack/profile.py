@@ -177,15 +177,22 @@ def recipe_fingerprint(recipe: Recipe) -> str:
     return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def run_profile(recipe: Recipe, workspace: Workspace, progress: Callable[[str, int, int], None] | None = None):
-    """Load, capture, time every variant, write the workspace. Returns (ModelProfile, cards)."""
+def run_profile(recipe: Recipe, workspace: Workspace, progress: Callable[[str, int, int], None] | None = None,
+                loaded: LoadedModel | None = None):
+    """Load (unless `loaded`), time end to end, capture, time every variant, write the workspace.
+
+    End to end is timed first, on the freshly warmed model: the capture's hooks and the profiler's
+    CUPTI callbacks come later and cannot slow it down. Returns (ModelProfile, cards).
+    """
     from forgepack import models
 
     note = progress or (lambda *_: None)
     note("loading model", 0, 1)
     with models.quiet_transformers():
-        lm = models.load(recipe)
-        lm.run()  # warm-up outside the capture: lazy initialisation (caches, kernels) is not the model's work
+        lm = loaded or models.load(recipe)
+        lm.run()  # warm-up: lazy initialisation (caches, kernels) is not the model's work
+        note("end to end", 0, 1)
+        e2e_ms = end_to_end(lm, 30 if lm.device.type == "cuda" else 10)
         cap = capture_mod.capture(lm.model, lm.forward)  # the forward alone: resetting the cache is not its work
         lm.reset()
     facts = devices.facts(lm.device)
@@ -194,9 +201,6 @@ def run_profile(recipe: Recipe, workspace: Workspace, progress: Callable[[str, i
         note(f"timing {card.op_name}", i, len(cap.cards))
         profiled.append(card.with_profile(measure_card(card, cap.samples[card.id], lm.device, facts)))
     cards = _with_shares(profiled)
-    note("end to end", len(cards), len(cards))
-    reps = 30 if lm.device.type == "cuda" else 10
-    e2e_ms = end_to_end(lm, reps)
     kernel_ms = kernel_time_ms(lm) if lm.device.type == "cuda" else None
     busy = min(1.0, kernel_ms / e2e_ms) if kernel_ms is not None else None
     op_ms = sum(c.profile.total_us for c in cards) / 1e3
