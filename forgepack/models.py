@@ -87,7 +87,9 @@ class LoadedModel:
 
 
 def target_device(recipe: Recipe) -> torch.device:
-    if recipe.target.device == "cuda":
+    from forgepack.recipe import concrete
+
+    if concrete(recipe).target.device == "cuda":
         if not torch.cuda.is_available():
             raise ForgepackError("target 'cuda' needs a CUDA GPU, and none is visible here; use --target cpu")
         return torch.device("cuda", torch.cuda.current_device())

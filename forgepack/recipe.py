@@ -23,7 +23,7 @@ DEFAULT_RECIPE = "tiny-llama"
 TASKS = ("causal-lm", "text-encoder", "image-classification")
 PHASES = ("prefill", "decode")
 DTYPES = ("float32", "float16", "bfloat16")
-TARGETS = ("cpu", "cuda")
+TARGETS = ("cpu", "cuda", "auto")  # auto: cuda when a GPU is visible, else cpu (resolved on use)
 PROPOSERS = ("templates", "anthropic")
 
 
@@ -224,6 +224,15 @@ def builtin_names() -> list[str]:
     return sorted(p.stem for p in BUILTIN_DIR.glob("*.toml"))
 
 
+def concrete(recipe: Recipe) -> Recipe:
+    """The recipe with target "auto" replaced by the device this machine has."""
+    if recipe.target.device != "auto":
+        return recipe
+    import torch
+
+    return recipe.replace(target={"device": "cuda" if torch.cuda.is_available() else "cpu"})
+
+
 def resolve(spec: str | None) -> Recipe:
     """A recipe from a CLI argument: a .toml path, a built-in recipe name, or a model id / directory.
 
@@ -236,12 +245,14 @@ def resolve(spec: str | None) -> Recipe:
     if spec.endswith(".toml"):
         if not path.is_file():
             raise UsageError(f"recipe file {spec} does not exist")
-        return load(path)
+        return concrete(load(path))
     if spec in builtin_names():
-        return load(BUILTIN_DIR / f"{spec}.toml")
+        return concrete(load(BUILTIN_DIR / f"{spec}.toml"))
     if path.exists() or spec.startswith((".", "/", "~")):
-        return from_dict({"name": path.resolve().name or "model", "model": {"path": spec}}, origin=spec)
+        data = {"name": path.resolve().name or "model", "model": {"path": spec}, "target": {"device": "auto"}}
+        return concrete(from_dict(data, origin=spec))
     if re.fullmatch(r"[\w.\-]+/[\w.\-]+", spec):
-        return from_dict({"name": spec.split("/")[-1], "model": {"hub": spec}}, origin=spec)
+        data = {"name": spec.split("/")[-1], "model": {"hub": spec}, "target": {"device": "auto"}}
+        return concrete(from_dict(data, origin=spec))
     known = ", ".join(builtin_names())
     raise UsageError(f"{spec!r} is not a recipe file, a built-in recipe ({known}), a directory or a hub id")

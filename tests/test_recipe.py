@@ -10,8 +10,10 @@ from forgepack.errors import UsageError
 
 @pytest.mark.parametrize("name", recipe.builtin_names())
 def test_builtin_recipes_round_trip(name):
-    r = recipe.resolve(name)
+    r = recipe.load(recipe.BUILTIN_DIR / f"{name}.toml")
     assert recipe.loads(recipe.dumps(r)) == r
+    resolved = recipe.resolve(name)
+    assert recipe.loads(recipe.dumps(resolved)) == resolved
 
 
 def test_six_gpu_reference_recipes_exist():
@@ -19,9 +21,13 @@ def test_six_gpu_reference_recipes_exist():
     assert gpu == {"llama-1b-prefill", "llama-1b-decode", "qwen2-0.5b-prefill", "gpt2", "vit-base", "resnet-50"}
 
 
-def test_default_recipe_is_tiny_llama_on_cpu():
+def test_default_recipe_is_tiny_llama_on_this_machines_device():
+    import torch
+
     r = recipe.resolve(None)
-    assert r.name == "tiny-llama" and r.target.device == "cpu"
+    assert r.name == "tiny-llama"
+    assert r.target.device == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert recipe.load(recipe.BUILTIN_DIR / "tiny-llama.toml").target.device == "auto"
 
 
 BASE = 'name = "x"\n[model]\nconfig = { model_type = "llama" }\n'
