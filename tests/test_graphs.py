@@ -1,0 +1,860 @@
+"""Graph mode (forgepack/pack/runtime/graphs.py).
+
+CPU: signature keying, the LRU graph cache (count and bytes), output copying of nested structures,
+enable/disable, and the whole call path (warm-up, capture, replay, eviction, fallback with one
+warning, verification) through the emulated backend: a recorded aten trace replayed on the same
+tensors, which like a CUDA graph runs no Python on replay. GPU (`gpu` marker): the same with real CUDA
+graphs on a tiny Llama, including static-cache decode.
+"""
+
+from __future__ import annotations
+
+import ast
+import collections
+import copy
+import inspect
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from forgepack.pack.runtime import graphs
+
+EMU = {"backend": "emulate"}
+
+
+# --- small real modules ------------------------------------------------------------------------------
+
+
+class Mlp(nn.Module):
+    def __init__(self, width=8):
+        super().__init__()
+        self.a = nn.Linear(width, 16)
+        self.b = nn.Linear(16, width)
+
+    def forward(self, x, scale=1.0, extra=None):
+        y = self.b(torch.relu(self.a(x))) * scale
+        return {"y": y, "pair": (y.sum(-1), extra), "note": "kept"}
+
+
+class Syncs(nn.Module):
+    """Reads a device value on the host: not capturable."""
+
+    def forward(self, x):
+        return x * float(x.abs().max().item())
+
+
+class Scaled(nn.Module):
+    """Its output depends on a Python float: eager sees the new value, a replay keeps the captured one."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = 1.0
+
+    def forward(self, x):
+        return x * self.scale
+
+
+class Counter(nn.Module):
+    """A Python-side counter: eager calls disagree with each other."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return x + self.calls
+
+
+class Accumulates(nn.Module):
+    """Writes into its argument and into a persistent buffer, in place."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("total", torch.zeros(4))
+
+    def forward(self, x):
+        self.total.add_(x)
+        x.mul_(2)
+        return self.total * 1
+
+
+class Box:
+    """A by-reference argument object (like a static cache): tensors updated in place."""
+
+    def __init__(self, n=4):
+        self.state = torch.zeros(n)
+        self.steps = 0
+
+
+class UsesBox(nn.Module):
+    def forward(self, x, box):
+        box.state.add_(x)
+        return box.state * 2, box
+
+
+def tiny_llama(layers=2):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=256, max_position_embeddings=256)
+    return LlamaForCausalLM(config).eval()
+
+
+def static_cache(model, length=64):
+    from transformers import StaticCache
+
+    return StaticCache(config=model.config, max_cache_len=length)
+
+
+# --- signatures --------------------------------------------------------------------------------------
+
+
+def test_signature_keys_shapes_dtypes_strides_and_values():
+    x = torch.zeros(2, 3)
+    key = graphs.signature((x,), {"flag": True})
+    assert key == graphs.signature((torch.ones(2, 3),), {"flag": True})  # values do not matter
+    others = [
+        ((torch.zeros(3, 3),), {"flag": True}),
+        ((torch.zeros(2, 3, dtype=torch.float64),), {"flag": True}),
+        ((torch.zeros(3, 2).t(),), {"flag": True}),  # same shape, other strides
+        ((x,), {"flag": False}),
+        ((x,), {"flag": 1}),  # 1 == True, but another type
+        ((x,), {"other": True}),
+        ((x, None), {"flag": True}),
+        ((x, [x]), {"flag": True}),
+        ((torch.zeros(2, 3, requires_grad=True),), {"flag": True}),
+    ]
+    keys = {graphs.signature(a, k) for a, k in others}
+    assert key not in keys and len(keys) == len(others)
+
+
+def test_signature_floats_are_exact():
+    x = torch.zeros(1)
+    assert graphs.signature((x, 0.0), {}) != graphs.signature((x, -0.0), {})
+    nan = float("nan")
+    assert graphs.signature((x, nan), {}) == graphs.signature((x, nan), {})
+
+
+def test_unkeyable_arguments_give_none_with_a_reason():
+    sparse = torch.eye(3).to_sparse()
+    scan = graphs.scan_arguments((sparse,), {})
+    assert scan.key is None and "sparse" in scan.reason
+    assert graphs.signature(({(1, 2): torch.zeros(1), object(): 1},), {}) is None
+    deep: list = []
+    for _ in range(20):
+        deep = [deep]
+    assert graphs.signature((deep,), {}) is None
+    assert "deeper" in graphs.scan_arguments((deep,), {}).reason
+
+
+def test_argument_objects_are_keyed_by_identity_and_contents():
+    box = Box()
+    key = graphs.signature((box,), {})
+    box.state.add_(1)  # in place: same memory, same graph
+    assert graphs.signature((box,), {}) == key
+    box.steps = 1  # a Python attribute may steer the forward: new key
+    assert graphs.signature((box,), {}) != key
+    box.steps = 0
+    assert graphs.signature((box,), {}) == key
+    box.state = torch.zeros(4)  # rebound: the old graph's address is stale
+    assert graphs.signature((box,), {}) != key
+    a, b = Box(), Box()  # equal contents, other objects: other graphs
+    assert graphs.signature((a,), {}) != graphs.signature((b,), {})
+
+
+def test_scan_separates_value_tensors_from_state():
+    box, x, y = Box(), torch.zeros(2), torch.ones(3)
+    scan = graphs.scan_arguments((x, [y, 1]), {"box": box, "d": {"k": x}})
+    assert [id(t) for t in scan.tensors] == [id(x), id(y), id(x)]
+    assert scan.objects == [box]
+    assert scan.devices == {torch.device("cpu")}
+
+
+def test_rebuild_substitutes_value_tensors_in_walk_order():
+    point = collections.namedtuple("point", "a b")
+    args = (torch.zeros(1), [torch.ones(1), 3], point(torch.zeros(2), "s"))
+    kwargs = {"d": {"k": torch.ones(3)}, "box": Box()}
+    scan = graphs.scan_arguments(args, kwargs)
+    new = [torch.full_like(t, 7.0) for t in scan.tensors]
+    it = iter(new)
+    rebuilt = tuple(graphs._rebuild(v, it) for v in args)
+    rebuilt_kw = {k: graphs._rebuild(v, it) for k, v in kwargs.items()}
+    assert rebuilt[0] is new[0] and rebuilt[1][0] is new[1] and rebuilt[1][1] == 3
+    assert isinstance(rebuilt[2], point) and rebuilt[2].a is new[2] and rebuilt[2].b == "s"
+    assert rebuilt_kw["d"]["k"] is new[3] and rebuilt_kw["box"] is kwargs["box"]
+
+
+def test_describe_is_short_and_readable():
+    text = graphs.describe((torch.zeros(1, 2, dtype=torch.int64),), {"use_cache": True, "box": Box()})
+    assert text == "int64[1, 2] cpu, use_cache=True, box=Box"
+
+
+# --- output copies -----------------------------------------------------------------------------------
+
+
+def test_copy_outputs_copies_every_tensor_and_keeps_the_rest():
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    t = torch.arange(4.0)
+    kept = Box()
+    point = collections.namedtuple("point", "a b")
+    out = CausalLMOutputWithPast(logits=t, hidden_states=(t, point(t, "x")), past_key_values=kept)
+    new = graphs.copy_outputs(out, keep={id(kept)})
+    assert type(new) is CausalLMOutputWithPast and new.past_key_values is kept
+    assert new.logits is not t and torch.equal(new.logits, t)
+    assert new["logits"] is new.logits  # the ModelOutput's dict and attribute agree
+    assert new.hidden_states[0] is new.logits  # one tensor, one copy: aliasing kept
+    assert isinstance(new.hidden_states[1], point) and new.hidden_states[1].b == "x"
+    t.add_(1)
+    assert torch.equal(new.logits, torch.arange(4.0))
+    assert out.logits is t  # the original is untouched
+
+
+def test_copy_outputs_rebuilds_objects_holding_tensors():
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    k = torch.randn(1, 2, 3, 4)
+    cache.update(k, k.clone(), 0)
+    out = (torch.return_types.max((torch.zeros(2), torch.ones(2, dtype=torch.long))), cache, "s", None)
+    new = graphs.copy_outputs(out)
+    assert type(new[0]) is torch.return_types.max and new[0].values is not out[0].values
+    assert type(new[1]) is DynamicCache and new[1] is not cache
+    assert new[1].layers[0].keys.data_ptr() != cache.layers[0].keys.data_ptr()
+    assert torch.equal(new[1].layers[0].keys, cache.layers[0].keys)
+    assert new[2:] == ("s", None)
+    plain = ("a", 1, [None])
+    assert graphs.copy_outputs(plain) is plain  # nothing to copy: the same object back
+
+
+def test_copy_outputs_handles_cycles():
+    box = Box()
+    box.me = box
+    new = graphs.copy_outputs(box)
+    assert new is not box and new.me is new and new.state is not box.state
+
+
+# --- the graph cache ---------------------------------------------------------------------------------
+
+
+def test_graph_cache_evicts_least_recently_used_by_count():
+    cache = graphs.GraphCache(max_graphs=2)
+    assert cache.put("a", 1, 10) == [] and cache.put("b", 2, 10) == []
+    assert cache.get("a") == 1  # a is now the most recent
+    assert cache.put("c", 3, 10) == [("b", 2)]
+    assert cache.keys() == ["a", "c"] and "b" not in cache and len(cache) == 2
+    assert cache.get("b") is None
+
+
+def test_graph_cache_evicts_by_bytes_and_reports_what_fits():
+    cache = graphs.GraphCache(max_graphs=10, max_bytes=100)
+    cache.put("a", 1, 40)
+    cache.put("b", 2, 40)
+    assert cache.total_bytes == 80
+    assert cache.put("c", 3, 50) == [("a", 1)]  # 130 > 100: the oldest goes
+    assert cache.keys() == ["b", "c"] and cache.total_bytes == 90
+    assert cache.fits(100) and not cache.fits(101)
+    assert cache.put("b", 4, 10) == [] and cache.total_bytes == 60  # replacing a key re-counts it
+    assert cache.pop("c") == 3 and cache.total_bytes == 10
+    cache.clear()
+    assert len(cache) == 0 and cache.total_bytes == 0
+    with pytest.raises(ValueError):
+        graphs.GraphCache(max_graphs=0)
+
+
+def test_remembered_signatures_stay_bounded():
+    seen = graphs._Remembered(size=3)
+    for i in range(10):
+        seen.set(i, i)
+    assert list(seen.items) == [7, 8, 9]
+
+
+# --- the call path on CPU ------------------------------------------------------------------------------
+
+
+def test_cuda_backend_on_cpu_tensors_runs_eagerly_and_counts():
+    torch.manual_seed(0)
+    model = Mlp().eval()
+    run = graphs.GraphedForward(model)
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        for _ in range(4):
+            out = run(x)
+            assert torch.equal(out["y"], model(x)["y"])
+    stats = run.stats()
+    assert stats["eager_calls"] == 4 and stats["captures"] == 0 and stats["replays"] == 0
+    (reason,) = stats["reasons"]
+    assert reason in ("CUDA is not available", "tensors on cpu (graphs need CUDA)")
+
+
+def test_warmup_then_one_capture_then_replays_on_fresh_inputs():
+    torch.manual_seed(0)
+    model = Mlp().eval()
+    run = graphs.GraphedForward(model, warmup=2, **EMU)
+    with torch.no_grad():
+        for step in range(6):
+            x = torch.randn(3, 8)
+            out = run(x, scale=2.0, extra="e")
+            ref = model(x, scale=2.0, extra="e")
+            assert torch.allclose(out["y"], ref["y"]) and torch.allclose(out["pair"][0], ref["pair"][0])
+            assert out["pair"][1] == "e" and out["note"] == "kept"
+            assert run.stats()["captures"] == (1 if step >= 2 else 0)
+    stats = run.stats()
+    assert (stats["warmups"], stats["captures"], stats["replays"], stats["eager_calls"]) == (2, 1, 4, 2)
+    assert stats["graphs"] == 1 and stats["graph_bytes"] > 0
+
+
+def test_each_signature_gets_its_own_graph():
+    model = Mlp().eval()
+    run = graphs.GraphedForward(model, warmup=1, **EMU)
+    with torch.no_grad():
+        for _ in range(3):
+            for batch, scale in ((1, 1.0), (2, 1.0), (2, 3.0)):
+                x = torch.randn(batch, 8)
+                assert torch.allclose(run(x, scale=scale)["y"], model(x, scale=scale)["y"])
+    assert run.stats()["captures"] == 3 and run.stats()["replays"] == 6
+
+
+def test_outputs_are_copies_unless_zero_copy():
+    model = Mlp().eval()
+    x1, x2 = torch.randn(2, 8), torch.randn(2, 8)
+    with torch.no_grad():
+        safe = graphs.GraphedForward(model, warmup=1, **EMU)
+        safe(x1)
+        first = safe(x1)["y"]  # captured
+        kept = first.clone()
+        second = safe(x2)["y"]
+        assert torch.equal(first, kept) and not torch.equal(second, kept)
+
+        fast = graphs.GraphedForward(model, warmup=1, copy_outputs=False, **EMU)
+        fast(x1)
+        first = fast(x1)["y"]
+        kept = first.clone()
+        second = fast(x2)["y"]
+        assert second is first  # the static output itself...
+        assert not torch.equal(first, kept)  # ...overwritten by the next replay, as documented
+
+
+def test_lru_eviction_by_count_recaptures_what_comes_back():
+    model = Mlp().eval()
+    run = graphs.GraphedForward(model, warmup=1, max_graphs=2, **EMU)
+    with torch.no_grad():
+        for batch in (1, 2, 3):
+            for _ in range(3):
+                x = torch.randn(batch, 8)
+                assert torch.allclose(run(x)["y"], model(x)["y"])
+        assert run.stats()["evictions"] == 1 and run.stats()["graphs"] == 2
+        for _ in range(2):  # batch 1 was evicted: warm-up again, then a new capture
+            run(torch.randn(1, 8))
+    assert run.stats()["captures"] == 4 and run.stats()["evictions"] == 2
+
+
+def test_eviction_by_bytes_and_a_graph_too_large_to_keep():
+    model = Mlp().eval()
+    with torch.no_grad():
+        probe = graphs.GraphedForward(model, warmup=1, **EMU)
+        for _ in range(2):
+            probe(torch.randn(4, 8))
+        one = probe.stats()["graph_bytes"]
+
+        run = graphs.GraphedForward(model, warmup=1, max_bytes=one + one // 2, **EMU)
+        for _ in range(2):
+            run(torch.randn(4, 8))
+        for _ in range(2):
+            run(torch.randn(4, 8), scale=2.0)  # a second graph of the same size: over the bound together
+        assert run.stats()["evictions"] == 1 and run.stats()["graphs"] == 1
+
+        tiny = graphs.GraphedForward(model, warmup=1, max_bytes=one // 2, **EMU)
+        x = torch.randn(4, 8)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # giving up for size is not worth a warning
+            outs = [tiny(x)["y"] for _ in range(4)]
+    ref = model(x)["y"]
+    assert all(torch.allclose(o, ref) for o in outs)
+    stats = tiny.stats()
+    assert stats["captures"] == 1 and stats["graphs"] == 0 and stats["fallbacks"] == 1
+    assert "over max_bytes" in next(iter(stats["failures"].values()))
+    assert stats["reasons"]["capture failed earlier"] == 2
+
+
+def test_capture_failure_falls_back_to_eager_with_one_warning_per_signature():
+    model = Syncs()
+    run = graphs.GraphedForward(model, warmup=1, **EMU)
+    x, y = torch.randn(3), torch.randn(5)
+    with torch.no_grad():
+        run(x)
+        with pytest.warns(RuntimeWarning, match="running eagerly.*capture failed.*host") as caught:
+            out = run(x)
+        assert len(caught) == 1 and torch.equal(out, model(x))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            for _ in range(3):
+                assert torch.equal(run(x), model(x))
+        run(y)
+        with pytest.warns(RuntimeWarning):
+            run(y)  # another signature: its own single warning
+    stats = run.stats()
+    assert stats["fallbacks"] == 2 and stats["captures"] == 0 and stats["replays"] == 0
+    assert stats["eager_calls"] == 7
+
+
+def test_writes_to_arguments_and_buffers_repeat_on_replay():
+    model = Accumulates()
+    twin = copy.deepcopy(model)
+    run = graphs.GraphedForward(model, warmup=1, **EMU)
+    with torch.no_grad():
+        for step in range(5):
+            x, x_ref = torch.full((4,), float(step + 1)), torch.full((4,), float(step + 1))
+            out = run(x)
+            ref = twin(x_ref)
+            assert torch.equal(out, ref), step
+            assert torch.equal(x, x_ref), step  # the in-place write reached the caller's tensor
+    assert torch.equal(model.total, twin.total)
+    assert run.stats()["replays"] == 4
+
+
+def test_argument_objects_are_used_by_reference():
+    model = UsesBox()
+    box, twin = Box(), Box()
+    run = graphs.GraphedForward(model, warmup=1, **EMU)
+    with torch.no_grad():
+        for step in range(5):
+            x = torch.full((4,), float(step))
+            out, same = run(x, box)
+            ref, _ = model(x, twin)
+            assert same is box and torch.equal(out, ref)
+    assert torch.equal(box.state, twin.state) and run.stats()["replays"] == 4
+
+
+def test_grad_mode_runs_eagerly_with_one_warning():
+    model = Mlp()
+    run = graphs.GraphedForward(model, warmup=1, **EMU)
+    x = torch.randn(2, 8)
+    with pytest.warns(RuntimeWarning, match="grad mode"):
+        out = run(x)
+    out["y"].sum().backward()  # autograd still works: it ran eagerly
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        run(x)
+    assert run.stats()["eager_calls"] == 2 and run.stats()["captures"] == 0
+
+
+def test_training_flag_and_context_key_are_part_of_the_key():
+    model = Mlp()
+    active = {"kernels": "a"}
+    run = graphs.GraphedForward(model, warmup=1, context_key=lambda: active["kernels"], **EMU)
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        for mode in ("eval", "train", "eval"):
+            getattr(model, mode)()
+            run(x)
+            run(x)
+        active["kernels"] = "b"
+        run(x)
+        run(x)
+    assert run.stats()["captures"] == 3 and run.stats()["replays"] == 5  # each capture step replays too
+
+
+def test_an_active_dispatch_mode_runs_eagerly():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    model = Mlp().eval()
+    run = graphs.GraphedForward(model, warmup=1, **EMU)
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        run(x)
+        run(x)
+        with Count():
+            run(x)
+    assert Count.calls > 0  # the mode saw the forward's ops: nothing was replayed behind its back
+    assert run.stats()["reasons"]["a TorchDispatchMode is active"] == 1
+
+
+def test_bad_options_are_refused():
+    with pytest.raises(ValueError, match="warmup"):
+        graphs.GraphedForward(Mlp(), warmup=0)
+    with pytest.raises(ValueError, match="backend"):
+        graphs.GraphedForward(Mlp(), backend="tpu")
+    with pytest.raises(ValueError, match="pool"):
+        graphs.GraphedForward(Mlp(), pool="mine")
+
+
+# --- verification ------------------------------------------------------------------------------------
+
+
+def test_verify_replay_accepts_a_pure_forward_and_leaves_state_as_found():
+    model = Accumulates()
+    before = model.total.clone()
+    ok, reason = graphs.verify_replay(model, lambda step: (torch.randn(4),), n=3, **EMU)
+    assert ok, reason
+    assert torch.equal(model.total, before)
+
+
+def test_verify_replay_catches_python_state_a_replay_cannot_see():
+    model = Scaled()
+
+    def make(step):
+        model.scale = 1.0 + step  # eager follows the attribute; the captured graph keeps 3.0
+        return (torch.randn(4),)
+
+    ok, reason = graphs.verify_replay(model, make, n=3, **EMU)
+    assert not ok and reason.startswith("replay step 3") and "differ" in reason
+
+
+def test_verify_replay_catches_a_counter():
+    ok, reason = graphs.verify_replay(Counter(), lambda step: (torch.zeros(2),), **EMU)
+    assert not ok and "Python-side state" in reason
+
+
+def test_capture_safe_check_names_the_host_sync():
+    ok, reason = graphs.capture_safe_check(Syncs(), (torch.randn(3),), backend="emulate")
+    assert not ok and "not graphed" in reason and "_local_scalar_dense" in reason
+    ok, reason = graphs.capture_safe_check(Mlp().eval(), (torch.randn(2, 8),), backend="emulate")
+    assert ok, reason
+
+
+def test_capture_safe_check_on_cpu_with_cuda_backend_says_why():
+    ok, reason = graphs.capture_safe_check(Mlp().eval(), (torch.randn(2, 8),))
+    assert not ok and ("CUDA" in reason or "cpu" in reason)
+
+
+def test_mismatch_reports_where():
+    a = {"logits": torch.zeros(3), "n": 1}
+    b = {"logits": torch.tensor([0.0, 1.0, 0.0]), "n": 1}
+    why = graphs.outputs_mismatch(a, b)
+    assert "out['logits']" in why and "1 of 3 elements differ" in why
+    assert graphs.outputs_mismatch(a, {"logits": torch.zeros(3), "n": 2}) == "out['n']: 2 instead of 1"
+    assert "NaN" in graphs.tensor_mismatch(torch.tensor([float("nan")]), torch.tensor([0.0]))
+    assert graphs.tensor_mismatch(torch.tensor([1.0]), torch.tensor([1.0 + 1e-6])) == ""
+
+
+# --- a real transformers model -----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return tiny_llama()
+
+
+def test_llama_prefill_replays_match_eager(llama):
+    run = graphs.GraphedForward(llama, **EMU)
+    with torch.no_grad():
+        for _ in range(5):
+            ids = torch.randint(0, 256, (1, 12))
+            out, ref = run(input_ids=ids, use_cache=False), llama(input_ids=ids, use_cache=False)
+            assert torch.allclose(out.logits, ref.logits, atol=1e-5)
+    assert run.stats()["replays"] == 3 and not run.stats()["failures"]
+
+
+def test_llama_static_cache_decode_replays_one_graph_per_step(llama):
+    cache, twin = static_cache(llama), static_cache(llama)
+    run = graphs.GraphedForward(llama, **EMU)
+    with torch.no_grad():
+        prompt = torch.randint(0, 256, (1, 9))
+        key = graphs.cache_kwarg(llama)
+        run(input_ids=prompt, use_cache=True, **{key: cache})  # prefill: another signature
+        llama(input_ids=prompt, use_cache=True, **{key: twin})
+        token = torch.randint(0, 256, (1, 1))
+        for step in range(7):
+            out = run(**graphs.decode_kwargs(llama, token, cache, position=9 + step))
+            ref = llama(**graphs.decode_kwargs(llama, token, twin, position=9 + step))
+            assert getattr(out, key) is cache  # the cache comes back as itself, not a copy
+            assert torch.allclose(out.logits, ref.logits, atol=1e-5), step
+            token = ref.logits[:, -1:].argmax(-1)
+    for mine, theirs in zip(cache.layers, twin.layers, strict=True):
+        assert torch.allclose(mine.keys, theirs.keys, atol=1e-6) and torch.allclose(mine.values, theirs.values)
+    stats = run.stats()
+    assert stats["captures"] == 1 and stats["replays"] == 7 - 2 and stats["graphs"] == 1
+
+
+def test_gate_style_verification_on_a_loaded_decode_recipe():
+    from forgepack import models, recipe
+
+    r = recipe.resolve("tiny-llama").replace(
+        workload={"phase": "decode", "seq_len": 1, "cache_len": 12, "static_cache": True})
+    lm = models.load(r)
+    before = lm.output_tensor(lm.run()).clone()
+    ok, reason = graphs.verify_replay(lm.model, lm.make_inputs, n=3, backend="emulate")
+    assert ok, reason
+    assert torch.equal(lm.output_tensor(lm.run()), before)  # the cache was left where it was
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-bert", "tiny-resnet"])
+def test_gate_style_verification_on_the_tiny_recipes(name):
+    from forgepack import models, recipe
+
+    lm = models.load(recipe.resolve(name))
+    ok, reason = graphs.verify_replay(lm.model, lm.make_inputs, n=2, backend="emulate")
+    assert ok, reason
+
+
+def test_verification_lets_decode_positions_advance_when_asked(llama):
+    cache = static_cache(llama, length=32)
+    key = graphs.cache_kwarg(llama)
+    with torch.no_grad():
+        llama(input_ids=torch.randint(0, 256, (1, 6)), use_cache=True, **{key: cache})
+    gen = torch.Generator().manual_seed(0)
+
+    def make(step):
+        return graphs.decode_kwargs(llama, torch.randint(0, 256, (1, 1), generator=gen), cache)
+
+    ok, reason = graphs.verify_replay(llama, make, n=4, restore_state=False, backend="emulate")
+    assert ok, reason
+    assert int(cache.layers[0].cumulative_length) == 6  # left as found
+
+
+def test_a_dynamic_cache_is_not_replayable_and_says_why(llama):
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    key = graphs.cache_kwarg(llama)
+    with torch.no_grad():
+        llama(input_ids=torch.randint(0, 256, (1, 6)), use_cache=True, **{key: cache})
+    ok, reason = graphs.verify_replay(
+        llama, lambda step: {"input_ids": torch.randint(0, 256, (1, 1)), key: cache, "use_cache": True},
+        backend="emulate")
+    assert not ok and "replaces tensors" in reason
+
+
+def test_cache_kwarg_follows_the_installed_transformers(llama):
+    params = inspect.signature(type(llama).forward).parameters
+    assert graphs.cache_kwarg(llama) == ("cache" if "cache" in params else "past_key_values")
+
+
+# --- enable / disable --------------------------------------------------------------------------------
+
+
+def test_enable_and_disable_an_instance_restore_exactly(llama):
+    cls_forward = type(llama).forward
+    params = list(inspect.signature(llama.forward).parameters)
+    gf = graphs.enable(llama, warmup=1, **EMU)
+    assert isinstance(llama.forward, graphs.GraphedForward) and graphs.graphed(llama) is gf
+    assert graphs.enable(llama) is gf  # twice: the first stays
+    assert list(inspect.signature(llama.forward).parameters) == params  # transformers reads it
+    ids = torch.randint(0, 256, (1, 5))
+    with torch.no_grad():
+        outs = [llama(input_ids=ids, use_cache=False).logits for _ in range(3)]
+    assert gf.stats()["replays"] == 2 and all(torch.allclose(o, outs[0]) for o in outs)
+    assert graphs.disable(llama) and not graphs.disable(llama)
+    assert "forward" not in vars(llama) and llama.forward.__func__ is cls_forward
+    assert gf.stats()["graphs"] == 0
+
+
+def test_disable_restores_an_instance_level_forward():
+    model = Mlp()
+
+    def own(x):
+        return {"own": x}
+
+    model.forward = own
+    graphs.enable(model, **EMU)
+    assert graphs.disable(model)
+    assert vars(model)["forward"] is own
+
+
+def test_enable_a_class_patches_every_instance_and_restores(monkeypatch):
+    class Base(nn.Module):
+        def forward(self, x):
+            return x * 2
+
+    class Child(Base):
+        pass
+
+    original = Base.__dict__["forward"]
+    graphs.enable(Base, warmup=1, **EMU)
+    a, b = Base(), Base()
+    with torch.no_grad():
+        for _ in range(3):
+            assert torch.equal(a(torch.ones(2)), torch.full((2,), 2.0))
+        b(torch.ones(3))
+    assert graphs.graphed(a).stats()["replays"] == 2 and graphs.graphed(b) is not graphs.graphed(a)
+    assert graphs.eager_forward(a).__func__ is original
+    graphs.enable(Child, **EMU)  # inherited forward
+    assert "forward" in Child.__dict__
+    assert graphs.disable_all() == 2
+    assert Base.__dict__["forward"] is original and "forward" not in Child.__dict__
+    assert graphs.graphed(a) is None and not graphs.disable(Base)
+
+
+def test_kill_switch_leaves_the_forward_alone(monkeypatch):
+    monkeypatch.setenv("FORGEPACK_DISABLE", "1")
+    model = Mlp()
+    assert graphs.enable(model) is None and "forward" not in vars(model)
+
+
+def test_deepcopy_of_an_enabled_module_gets_its_own_wrapper():
+    model = Mlp().eval()
+    gf = graphs.enable(model, warmup=1, **EMU)
+    clone = copy.deepcopy(model)
+    assert isinstance(clone.forward, graphs.GraphedForward) and clone.forward is not gf
+    assert clone.forward.fn.__self__ is clone
+    with torch.no_grad():
+        clone.b.weight.add_(1)
+        x = torch.randn(1, 8)
+        assert not torch.allclose(clone(x)["y"], model(x)["y"])
+    graphs.disable(model)
+    graphs.disable(clone)
+
+
+# --- the runtime imports nothing of forgepack ----------------------------------------------------------
+
+
+def test_graphs_module_imports_only_torch_and_the_standard_library():
+    import sys
+
+    source = Path(graphs.__file__).read_text()
+    roots = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            roots |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            assert node.level == 0, "relative imports would break when copied into a pack"
+            roots.add(node.module.split(".")[0])
+    assert roots - {"torch", "__future__"} <= set(sys.stdlib_module_names), roots
+
+
+# --- real CUDA graphs ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cuda_llama():
+    return tiny_llama().cuda()
+
+
+@pytest.mark.gpu
+def test_gpu_prefill_capture_and_replay(cuda_llama):
+    run = graphs.GraphedForward(cuda_llama)
+    with torch.no_grad():
+        for _ in range(6):
+            ids = torch.randint(0, 256, (2, 16), device="cuda")
+            out, ref = run(input_ids=ids, use_cache=False), cuda_llama(input_ids=ids, use_cache=False)
+            assert torch.allclose(out.logits, ref.logits, rtol=1e-4, atol=1e-4)
+    stats = run.stats()
+    assert (stats["captures"], stats["replays"], stats["fallbacks"]) == (1, 4, 0), stats
+    assert stats["graph_bytes"] > 0
+
+
+@pytest.mark.gpu
+def test_gpu_static_cache_decode_replays_with_advancing_positions(cuda_llama):
+    cache, twin = static_cache(cuda_llama), static_cache(cuda_llama)
+    key = graphs.cache_kwarg(cuda_llama)
+    run = graphs.GraphedForward(cuda_llama)
+    with torch.no_grad():
+        prompt = torch.randint(0, 256, (1, 9), device="cuda")
+        run(input_ids=prompt, use_cache=True, **{key: cache})
+        cuda_llama(input_ids=prompt, use_cache=True, **{key: twin})
+        token = torch.randint(0, 256, (1, 1), device="cuda")
+        for step in range(10):
+            out = run(**graphs.decode_kwargs(cuda_llama, token, cache, position=9 + step))
+            ref = cuda_llama(**graphs.decode_kwargs(cuda_llama, token, twin, position=9 + step))
+            assert torch.allclose(out.logits, ref.logits, rtol=1e-4, atol=1e-4), step
+            token = ref.logits[:, -1:].argmax(-1)
+    for mine, theirs in zip(cache.layers, twin.layers, strict=True):
+        assert torch.allclose(mine.keys, theirs.keys, atol=1e-5)
+    assert int(cache.layers[0].cumulative_length) == 19
+    stats = run.stats()
+    assert stats["captures"] == 1 and stats["replays"] == 8 and stats["fallbacks"] == 0, stats
+
+
+@pytest.mark.gpu
+def test_gpu_capture_unsafe_forward_falls_back_once():
+    model = Syncs().cuda()
+    run = graphs.GraphedForward(model, warmup=1)
+    x = torch.randn(64, device="cuda")
+    with torch.no_grad():
+        run(x)
+        with pytest.warns(RuntimeWarning, match="capture failed"):
+            out = run(x)
+        assert torch.equal(out, model(x))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            for _ in range(3):
+                assert torch.equal(run(x), model(x))
+    assert run.stats()["fallbacks"] == 1 and run.stats()["replays"] == 0
+    assert torch.cuda.current_stream() == torch.cuda.default_stream()  # the capture stream was left
+    y = torch.randn(32, 32, device="cuda")
+    assert torch.allclose(y @ y, (y.cpu() @ y.cpu()).cuda(), atol=1e-3)  # CUDA still works
+
+
+@pytest.mark.gpu
+def test_gpu_verify_replay_and_capture_safe_check(cuda_llama):
+    cache = static_cache(cuda_llama, length=40)
+    key = graphs.cache_kwarg(cuda_llama)
+    with torch.no_grad():
+        cuda_llama(input_ids=torch.randint(0, 256, (1, 8), device="cuda"), use_cache=True, **{key: cache})
+
+    def decode(step):
+        return graphs.decode_kwargs(cuda_llama, torch.randint(0, 256, (1, 1), device="cuda"), cache)
+
+    for restore in (True, False):
+        ok, reason = graphs.verify_replay(cuda_llama, decode, n=3, restore_state=restore)
+        assert ok, reason
+    assert int(cache.layers[0].cumulative_length) == 8
+
+    model = Scaled().cuda()
+
+    def scaled(step):
+        model.scale = 1.0 + step
+        return (torch.randn(8, device="cuda"),)
+
+    ok, reason = graphs.verify_replay(model, scaled)
+    assert not ok and "replay step" in reason
+    ok, reason = graphs.capture_safe_check(Syncs().cuda(), (torch.randn(8, device="cuda"),))
+    assert not ok and "capture failed" in reason
+
+
+@pytest.mark.gpu
+def test_gpu_eviction_shared_pool_and_zero_copy():
+    model = Mlp(64).cuda().eval()
+    run = graphs.GraphedForward(model, warmup=1, max_graphs=2)
+    other = graphs.GraphedForward(model, warmup=1)
+    assert run._backend.pool_for(torch.device("cuda", 0)) is other._backend.pool_for(torch.device("cuda", 0))
+    with torch.no_grad():
+        for batch in (1, 2, 3):
+            for _ in range(3):
+                x = torch.randn(batch, 64, device="cuda")
+                assert torch.allclose(run(x)["y"], model(x)["y"], atol=1e-5)
+        assert run.stats()["evictions"] == 1 and run.stats()["graphs"] == 2
+
+        fast = graphs.GraphedForward(model, warmup=1, copy_outputs=False)
+        x1, x2 = torch.randn(4, 64, device="cuda"), torch.randn(4, 64, device="cuda")
+        fast(x1)
+        first = fast(x1)["y"]
+        kept = first.clone()
+        assert fast(x2)["y"] is first and not torch.equal(first, kept)
+
+        small = graphs.GraphedForward(model, warmup=1, max_bytes=1)
+        for _ in range(3):
+            assert torch.allclose(small(x1)["y"], model(x1)["y"], atol=1e-5)
+        assert small.stats()["graphs"] == 0 and small.stats()["fallbacks"] == 1
+
+
+@pytest.mark.gpu
+def test_gpu_input_writes_and_enable_on_a_model(cuda_llama):
+    model = Accumulates().cuda()
+    twin = copy.deepcopy(model)
+    run = graphs.GraphedForward(model, warmup=1)
+    with torch.no_grad():
+        for step in range(4):
+            x, x_ref = (torch.full((4,), float(step + 1), device="cuda") for _ in range(2))
+            assert torch.equal(run(x), twin(x_ref)) and torch.equal(x, x_ref)
+    gf = graphs.enable(cuda_llama)
+    try:
+        ids = torch.randint(0, 256, (1, 7), device="cuda")
+        with torch.no_grad():
+            outs = [cuda_llama(input_ids=ids, use_cache=False).logits for _ in range(4)]
+        assert gf.stats()["replays"] == 2 and all(torch.allclose(o, outs[0], atol=1e-4) for o in outs)
+    finally:
+        graphs.disable(cuda_llama)
