@@ -1,0 +1,437 @@
+"""`forgepack report`: the HTML report of a workspace.
+
+- The HTML builder on a small real workspace (real cards from real aten calls, a store written through
+  the store's API, the pack builder's decisions): every section, escaping, the best path, graceful
+  degradation, no matplotlib, reading while a writer holds the store.
+- A real tiny-llama build on the cpu target, benchmarked with `forgepack bench`, reported through the
+  CLI and loaded in headless Chromium over the DevTools protocol: no console errors, no network
+  request, every section there, every plot decoded; a screenshot is kept in the test's tmp dir.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import datetime as dt
+import hashlib
+import json
+import os
+import re
+import select
+import shutil
+import subprocess
+import sys
+import time
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+import torch
+
+from forgepack import profile as profile_mod
+from forgepack import recipe as recipe_mod
+from forgepack import report
+from forgepack.accepted import AcceptedKernel, save_all
+from forgepack.capture import card_from_call
+from forgepack.cards import Profile
+from forgepack.pack.builder import Decision
+from forgepack.profile import ModelProfile
+from forgepack.search.store import Store, VerdictRow
+from forgepack.workspace import Workspace
+
+SECTION_IDS = [key for key, _ in report.SECTIONS]
+EVIL = '</pre><script>alert("x")</script><img src=x onerror=alert(1)>'
+
+
+# --- a small real workspace -------------------------------------------------------------------------------
+
+
+def _cards():
+    x, w = torch.randn(4, 8), torch.randn(8, 8)
+    specs = [  # (op, args, profile)
+        (torch.ops.aten._softmax.default, (x, -1, False),
+         Profile(eager_us=20.0, total_us=40.0, share=0.40, bytes=256, flops=160, roofline_us=0.5, headroom=40.0,
+                 baseline="native")),
+        (torch.ops.aten.mm.default, (x, w),
+         Profile(eager_us=30.0, total_us=30.0, share=0.30, bytes=512, flops=512, roofline_us=3.0, headroom=10.0,
+                 baseline="vendor")),
+        (torch.ops.aten.add.Tensor, (x, x),
+         Profile(eager_us=10.0, total_us=20.0, share=0.20, bytes=384, flops=32, roofline_us=1.0, headroom=10.0,
+                 baseline="native")),
+        (torch.ops.aten.view.default, (x, [32]),
+         Profile(eager_us=1.0, total_us=10.0, share=0.10, baseline="view")),
+    ]
+    return [card_from_call(op, args)[0].with_profile(prof) for op, args, prof in specs]
+
+
+def _propose(ws: Workspace, store: Store, card, parent, source, proposer="templates", cost=0.0, tokens=(0, 0),
+             reason="allocator: most expected gain per call"):
+    digest = hashlib.sha256(source.encode()).hexdigest()
+    rel = f"kernels/{card.id}/{digest[:16]}.cpp"
+    (ws.root / rel).parent.mkdir(parents=True, exist_ok=True)
+    (ws.root / rel).write_text(source)
+    _, cand = store.record_call(card_id=card.id, parent_id=parent, proposer=proposer.split(":")[0], reason=reason,
+                                decision={"card_id": card.id, "reason": reason}, tokens_in=tokens[0],
+                                tokens_out=tokens[1], cost=cost, source_hash=digest, source_path=rel,
+                                params={"block": len(source)}, candidate_proposer=proposer)
+    return cand
+
+
+def _verdict(store: Store, cand, accepted, category, speedup, kernel_us=None, eager_us=None, feedback=""):
+    row = VerdictRow(accepted=accepted, category=category, reason=feedback.splitlines()[0] if feedback else None,
+                     speedup=speedup, ci_low=speedup and speedup * 0.9, ci_high=speedup and speedup * 1.1,
+                     eager_us=eager_us, kernel_us=kernel_us, compile_s=0.5, verify_s=1.0, bench_s=0.5,
+                     feedback=feedback, verdict={"accepted": accepted, "category": category},
+                     binary_path=f"kernels/{cand.card_id}/{cand.source_hash[:16]}.so" if accepted else None)
+    return store.record_verdict(cand.id, row)
+
+
+def make_workspace(root: Path, pending: bool = True) -> tuple[Workspace, dict]:
+    """Recipe, profile, cards, a store with a small tree per card, accepted kernels, pack report, bench."""
+    ws = Workspace(root).create()
+    recipe = recipe_mod.resolve("tiny-llama")
+    ws.save_recipe(recipe)
+    cards = _cards()
+    for c in cards:
+        ws.save_card(c)
+    softmax, mm, add, _ = cards
+    ws.write_json("profile.json", ModelProfile(
+        recipe=recipe.name, device="x86_64 (cpu)", arch=None, e2e_ms=1.25, gpu_busy=None, kernel_ms=None,
+        aten_calls=7, variants=len(cards), op_time_ms=0.1, diagnosis=profile_mod.diagnose(None, 1.25, 0.1, cards),
+        torch_version=torch.__version__, date=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        recipe_fingerprint=profile_mod.recipe_fingerprint(recipe)).to_json())
+    ids = {}
+    with Store(ws.store_path) as store:
+        a = _propose(ws, store, softmax, None, "// softmax v1\n")
+        _verdict(store, a, True, None, 1.8, 11.0, 20.0, "accepted: 1.8x")
+        b = _propose(ws, store, softmax, a.id, f"// softmax v2 {EVIL}\n")
+        _verdict(store, b, False, "mismatch", None, feedback=f"mismatch: output 0 differs {EVIL}")
+        c = _propose(ws, store, softmax, a.id, "// softmax v3\n", proposer="anthropic:claude", cost=0.12,
+                     tokens=(1500, 700), reason=f"allocator picked it {EVIL}")
+        _verdict(store, c, True, None, 2.4, 8.3, 20.0, "accepted: 2.4x")
+        d = _propose(ws, store, softmax, c.id, "// softmax v4\n")
+        _verdict(store, d, False, "slower", 0.9, 22.0, 20.0, "slower: 0.9x")
+        store.record_call(card_id=softmax.id, parent_id=c.id, proposer="templates", reason="again",
+                          source_hash=c.source_hash, source_path=c.source_path)  # a duplicate
+        store.record_call(card_id=softmax.id, parent_id=None, proposer="anthropic", reason="again", cost=0.05,
+                          feedback="no kernel in the reply")  # malformed
+        e = _propose(ws, store, add, None, "// add v1\n")
+        _verdict(store, e, False, "slower", 0.85, 11.7, 10.0, "slower: 0.85x")
+        f = _propose(ws, store, add, None, "// add outside\n")
+        store.db.execute("UPDATE candidates SET source_path = '../outside.txt' WHERE id = ?", (f.id,))
+        _verdict(store, f, False, "compile", None, feedback="error: expected ';'")
+        if pending:
+            g = _propose(ws, store, mm, None, "// mm v1 (still being evaluated)\n")
+            ids["pending"] = g.id
+        ids.update(softmax_best=c.id, softmax_root=a.id, softmax_bad=b.id, softmax_slow=d.id)
+    (root.parent / "outside.txt").write_text("SECRET-OUTSIDE-THE-WORKSPACE")
+    save_all(ws.root, [AcceptedKernel(softmax.id, "cpu", None, c.source_path, "", c.source_hash, 2.4, 2.16, 2.64,
+                                      20.0, 8.3, "anthropic:claude", c.id)])
+    kept = Decision(softmax.id, softmax.op, softmax.signature(), True, "gate", "kept", 2.4, 1.04)
+    dropped = Decision(add.id, add.op, add.signature(), False, "gate", f"does not pay end to end {EVIL}", 1.2, 0.97)
+    ws.write_json(report.PACK_REPORT, {
+        "recipe": recipe.name, "wheel": "packs/forgepack_pack_tiny_llama-0.1.0-py3-none-linux_x86_64.whl",
+        "gate": "passed", "margin": 0.05,
+        "summary": {"stock_ms": 1.25, "pack_ms": 1.1, "speedup": 1.136, "ci": [1.05, 1.2], "rounds": 7, "reps": 3,
+                    "outputs": "outputs within 1e-07 of their scale"},
+        "kept": [dataclasses.asdict(kept)], "dropped": [dataclasses.asdict(dropped)]})
+    ws.write_json(report.BENCH, {
+        "recipe": recipe.name, "device": "cpu", "dtype": "float32", "pack": "x.whl", "rounds": 3, "reps": 2,
+        "columns": {"eager": {"ms": 1.3, "rounds_ms": [1.3] * 3, "note": "", "speedup": 1.0,
+                              "speedup_range": [1.0, 1.0]},
+                    "pack": {"ms": 1.1, "rounds_ms": [1.1] * 3, "note": "", "speedup": 1.18,
+                             "speedup_range": [1.1, 1.2]},
+                    "compile": {"skipped": "no C++ compiler <here>"}},
+        "pack_hits": {softmax.id: 2}})
+    return ws, ids
+
+
+class Page(HTMLParser):
+    """Tags and attributes of a page, for structural checks."""
+
+    def __init__(self, text: str):
+        super().__init__()
+        self.tags: list[tuple[str, dict]] = []
+        self.feed(text)
+
+    def handle_starttag(self, tag, attrs):
+        self.tags.append((tag, dict(attrs)))
+
+    def all(self, name: str) -> list[dict]:
+        return [a for t, a in self.tags if t == name]
+
+
+# --- the HTML builder -------------------------------------------------------------------------------------
+
+
+def test_report_of_a_real_workspace_has_every_section_and_escapes_everything(tmp_path):
+    ws, ids = make_workspace(tmp_path / "ws")
+    data = report.gather(ws.root)
+    assert data.problems == ()
+    text = report.render(data)
+    page = Page(text)
+    assert [a["id"] for a in page.all("section")] == SECTION_IDS
+    # self-contained: no script, no stylesheet link, every image inline
+    assert page.all("script") == [] and page.all("link") == [] and page.all("iframe") == []
+    assert "<script" not in text.lower()
+    imgs = page.all("img")
+    assert len(imgs) == 4  # profile, budget, results, end to end
+    for img in imgs:
+        assert img["src"].startswith("data:image/png;base64,")
+        assert base64.b64decode(img["src"].split(",", 1)[1])[:8] == b"\x89PNG\r\n\x1a\n"
+    # workspace text arrives escaped wherever it appears: source, feedback, allocator reason, pack reason
+    assert text.count(EVIL) == 0
+    assert text.count("&lt;/pre&gt;&lt;script&gt;alert(&quot;x&quot;)&lt;/script&gt;") >= 4
+    assert "no C++ compiler &lt;here&gt;" in text
+    # a source path pointing out of the workspace is not followed
+    assert "SECRET-OUTSIDE-THE-WORKSPACE" not in text and "outside the workspace: not shown" in text
+    # the path to the best kernel: its root and itself, not the failed or slower siblings
+    marked = dict(re.findall(r'<li class="([^"]+)"><div class="node">#(\d+) ', text))
+    marked = {int(v): k for k, v in marked.items()}
+    assert marked == {ids["softmax_root"]: "on-path", ids["softmax_best"]: "on-path best"}
+    # per-section facts
+    assert "duplicate" in text and "no kernel in the reply" in text  # calls that made no candidate
+    assert "$0.17" in text  # dollars over all calls
+    assert "eager kept" in text and "in pack" in text
+    assert "1.136" not in text and "1.14x" in text  # the gate's model speed-up
+    assert "skipped: no C++ compiler" in text
+    assert f'#{ids["pending"]} <code>templates</code> <span class="badge v-pending">pending' in text
+    assert "1 pending" in text
+    assert data.profile.diagnosis in text
+
+
+def test_results_pick_the_best_accepted_kernel_and_eager_where_none_won(tmp_path):
+    ws, ids = make_workspace(tmp_path / "ws")
+    rows = {r.card.op_name: r for r in report.searches(report.gather(ws.root))}
+    assert rows["_softmax"].best.id == ids["softmax_best"] and not rows["_softmax"].eager_kept
+    assert rows["_softmax"].pack_status == "kept"
+    assert rows["_softmax"].roofline_pct(rows["_softmax"].best) == pytest.approx(100 * 0.5 / 8.3)
+    assert rows["add.Tensor"].best is None and rows["add.Tensor"].eager_kept  # slower and compile errors only
+    assert rows["add.Tensor"].best_measured.speedup == 0.85
+    assert rows["mm"].counts == {"pending": 1}
+    assert list(rows) == ["_softmax", "mm", "add.Tensor"]  # largest share first
+
+
+def test_missing_parts_are_named_not_fatal(tmp_path):
+    ws = Workspace(tmp_path / "ws").create()
+    ws.save_recipe(recipe_mod.resolve("tiny-llama"))
+    (ws.cards_dir / "torn-0000000000.json").write_text('{"op": "aten.mm')  # a card half written
+    text = report.render(report.gather(ws.root))
+    assert [a["id"] for a in Page(text).all("section")] == SECTION_IDS
+    for phrase in ("no profile yet", "no search run yet", "no search results yet", "no search trees yet",
+                   "no pack built yet", "no benchmark yet", "card torn-0000000000.json could not be read"):
+        assert phrase in text, phrase
+
+
+def test_without_matplotlib_the_report_has_tables_and_says_why(tmp_path, monkeypatch):
+    ws, _ = make_workspace(tmp_path / "ws")
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib...` now raises ImportError
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
+    text = report.render(report.gather(ws.root))
+    page = Page(text)
+    assert page.all("img") == []
+    assert "pip install &#x27;forgepack[report]&#x27;" in text
+    assert [a["id"] for a in page.all("section")] == SECTION_IDS
+    assert len(page.all("table")) >= 6
+
+
+def test_reads_a_store_while_the_build_writes_it(tmp_path):
+    ws, ids = make_workspace(tmp_path / "ws")
+    writer = Store(ws.store_path)
+    try:
+        writer.db.execute("BEGIN IMMEDIATE")  # the build holds the write lock mid-transaction
+        writer.db.execute("UPDATE candidates SET state = 'evaluated', accepted = 1, speedup = 9.0 WHERE id = ?",
+                          (ids["pending"],))
+        started = time.monotonic()
+        data = report.gather(ws.root)
+        assert time.monotonic() - started < 5  # WAL: the reader did not wait for the writer
+        pending = next(c for c in data.store.candidates if c.id == ids["pending"])
+        assert pending.state == "pending"  # a consistent snapshot without the uncommitted verdict
+        writer.db.execute("COMMIT")
+    finally:
+        writer.close()
+    assert next(c for c in report.gather(ws.root).store.candidates if c.id == ids["pending"]).speedup == 9.0
+
+
+def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "forgepack", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=600, check=False)
+
+
+def test_cli_writes_the_report_and_rejects_what_is_not_a_workspace(tmp_path):
+    ws, _ = make_workspace(tmp_path / "ws")
+    done = _cli("report", str(ws.root), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert Path(done.stdout.strip()) == ws.root / "report.html"
+    assert [a["id"] for a in Page((ws.root / "report.html").read_text()).all("section")] == SECTION_IDS
+    for bad in (str(tmp_path / "nope"), str(tmp_path)):  # missing; a directory that holds no workspace
+        done = _cli("report", bad, "--out", str(tmp_path / "r.html"), cwd=tmp_path)
+        assert done.returncode == 2 and "Traceback" not in done.stderr
+        assert done.stderr.startswith("error: ") and len(done.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "r.html").exists()
+
+
+def test_open_hands_the_file_uri_to_the_web_browser(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from forgepack.cli import app
+
+    ws, _ = make_workspace(tmp_path / "ws")
+    opened = []
+    monkeypatch.setattr("webbrowser.open", lambda uri: opened.append(uri) or True)  # no desktop browser in CI
+    result = CliRunner().invoke(app, ["report", str(ws.root), "--out", str(tmp_path / "r.html"), "--open",
+                                      "--no-plots"])
+    assert result.exit_code == 0, result.output
+    assert opened == [(tmp_path / "r.html").resolve().as_uri()]
+    assert "<img" not in (tmp_path / "r.html").read_text()
+
+
+# --- the real build in a real browser ---------------------------------------------------------------------
+
+
+def _chromium() -> str | None:
+    return next((p for p in map(shutil.which, ("chromium", "chromium-browser", "google-chrome")) if p), None)
+
+
+class Browser:
+    """Headless Chromium driven over the DevTools protocol on a pipe (fds 3 and 4: no port, no network)."""
+
+    def __init__(self, binary: str, profile_dir: Path):
+        to_r, self._to = os.pipe()
+        self._from, from_w = os.pipe()
+
+        def plumb() -> None:  # in the child: the pipe ends become fds 3 (commands in) and 4 (replies out)
+            a, b = os.dup(to_r), os.dup(from_w)
+            os.dup2(a, 3)
+            os.dup2(b, 4)
+
+        cmd = [binary, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run",
+               "--disable-background-networking", "--disable-component-update", "--disable-sync", "--hide-scrollbars",
+               "--remote-debugging-pipe", f"--user-data-dir={profile_dir}", "--window-size=1280,1000", "about:blank"]
+        self.proc = subprocess.Popen(cmd, preexec_fn=plumb, close_fds=False, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL)
+        os.close(to_r)
+        os.close(from_w)
+        self._buf, self._id, self.events = b"", 0, []
+        target = self.call("Target.createTarget", url="about:blank")["targetId"]
+        self.session = self.call("Target.attachToTarget", targetId=target, flatten=True)["sessionId"]
+        for domain in ("Page", "Runtime", "Log", "Network"):
+            self.call(f"{domain}.enable", session=self.session)
+
+    def _recv(self, timeout: float = 60.0) -> dict:
+        deadline = time.monotonic() + timeout
+        while b"\0" not in self._buf:
+            ready, _, _ = select.select([self._from], [], [], max(0.0, deadline - time.monotonic()))
+            if not ready:
+                raise TimeoutError("chromium did not answer")
+            chunk = os.read(self._from, 1 << 20)
+            if not chunk:
+                raise EOFError("chromium closed the pipe")
+            self._buf += chunk
+        msg, self._buf = self._buf.split(b"\0", 1)
+        return json.loads(msg)
+
+    def call(self, method: str, session: str | None = None, **params) -> dict:
+        self._id += 1
+        msg = {"id": self._id, "method": method, "params": params, **({"sessionId": session} if session else {})}
+        os.write(self._to, json.dumps(msg).encode() + b"\0")
+        while True:
+            reply = self._recv()
+            if reply.get("id") == self._id:
+                if "error" in reply:
+                    raise RuntimeError(f"{method}: {reply['error']}")
+                return reply["result"]
+            self.events.append(reply)
+
+    def load(self, url: str) -> None:
+        self.call("Page.navigate", session=self.session, url=url)
+        while not any(e.get("method") == "Page.loadEventFired" for e in self.events):
+            self.events.append(self._recv())
+
+    def evaluate(self, expression: str):
+        result = self.call("Runtime.evaluate", session=self.session, expression=expression, returnByValue=True)
+        assert "exceptionDetails" not in result, result
+        return result["result"]["value"]
+
+    def errors(self) -> list[str]:
+        """Console errors, uncaught exceptions, and log errors (failed loads, CSP violations)."""
+        out = []
+        for e in self.events:
+            method, params = e.get("method"), e.get("params", {})
+            if method == "Runtime.consoleAPICalled" and params.get("type") in ("error", "assert"):
+                out.append(f"console: {params.get('args')}")
+            elif method == "Runtime.exceptionThrown":
+                out.append(f"exception: {params.get('exceptionDetails')}")
+            elif method == "Log.entryAdded" and params.get("entry", {}).get("level") == "error":
+                out.append(f"log: {params['entry'].get('text')}")
+        return out
+
+    def requests(self) -> list[str]:
+        return [e["params"]["request"]["url"] for e in self.events if e.get("method") == "Network.requestWillBeSent"]
+
+    def screenshot(self, path: Path) -> None:
+        size = self.call("Page.getLayoutMetrics", session=self.session)["cssContentSize"]
+        clip = {"x": 0, "y": 0, "width": 1280, "height": min(int(size["height"]), 16000), "scale": 1}
+        shot = self.call("Page.captureScreenshot", session=self.session, format="png", captureBeyondViewport=True,
+                         clip=clip)
+        path.write_bytes(base64.b64decode(shot["data"]))
+
+    def close(self) -> None:
+        try:
+            self.call("Browser.close")
+            self.proc.wait(timeout=10)
+        except (OSError, EOFError, TimeoutError, RuntimeError, subprocess.TimeoutExpired):
+            self.proc.kill()
+            self.proc.wait()
+        finally:
+            os.close(self._to)
+            os.close(self._from)
+
+
+PAGE_FACTS = """JSON.stringify({
+  sections: [...document.querySelectorAll('main > section')].map(s => ({id: s.id, text: s.innerText.length,
+             missing: [...s.querySelectorAll('.missing')].map(m => m.innerText)})),
+  images: [...document.images].map(i => ({ok: i.complete && i.naturalWidth > 100, section: i.closest('section').id})),
+  best: document.querySelectorAll('#trees li.best').length,
+  gate: document.querySelector('#pack') ? document.querySelector('#pack').innerText : '',
+})"""
+
+
+@pytest.mark.slow
+def test_report_of_a_real_tiny_llama_build_in_headless_chromium(tmp_path):
+    binary = _chromium()
+    if binary is None:
+        pytest.skip("no Chromium installed (apt-get install chromium)")
+    ws = tmp_path / "ws"
+    built = _cli("build", "tiny-llama", "--budget", "4", "--target", "cpu", "--workspace", str(ws), cwd=tmp_path)
+    assert built.returncode == 0, built.stderr[-3000:]
+    wheels = sorted((tmp_path / "packs").glob("*.whl"))
+    if wheels:  # eager vs the pack, as `forgepack bench` measures it, saved where the report looks
+        bench = _cli("bench", "tiny-llama", "--target", "cpu", "--pack", str(wheels[0]), "--columns", "eager,pack",
+                     "--rounds", "3", "--reps", "2", "--json", cwd=tmp_path)
+        assert bench.returncode == 0, bench.stderr[-3000:]
+        (ws / report.BENCH).write_text(bench.stdout)
+    done = _cli("report", str(ws), "--out", str(tmp_path / "report.html"), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    browser = Browser(binary, tmp_path / "chromium-profile")
+    try:
+        browser.load((tmp_path / "report.html").as_uri())
+        facts = json.loads(browser.evaluate(PAGE_FACTS))
+        shot = tmp_path / "report.png"
+        browser.screenshot(shot)
+        errors, requests = browser.errors(), browser.requests()
+    finally:
+        browser.close()
+    print(f"report screenshot: {shot}")
+    assert errors == []
+    assert [r for r in requests if not r.startswith(("file:", "data:"))] == []  # nothing from the network
+    assert [s["id"] for s in facts["sections"]] == SECTION_IDS
+    by_id = {s["id"]: s for s in facts["sections"]}
+    for key in ("profile", "budget", "results", "trees"):  # a real build fills these
+        assert by_id[key]["missing"] == [] and by_id[key]["text"] > 200, by_id[key]
+    assert by_id["pack"]["missing"] == ([] if wheels else by_id["pack"]["missing"])
+    assert {i["section"] for i in facts["images"]} >= {"profile", "budget", "results"}
+    assert all(i["ok"] for i in facts["images"]), facts["images"]
+    assert facts["best"] >= 1  # at least one card's best kernel is marked in its tree
+    assert "gate" in facts["gate"]
+    assert shot.stat().st_size > 50_000
