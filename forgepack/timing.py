@@ -8,6 +8,7 @@ host's launch latency. On CPU a buffer larger than the last-level cache is writt
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import random
 import statistics
@@ -38,6 +39,25 @@ class Flusher:
             self.buf.fill_(1)
         else:
             ctypes.memset(self.buf.data_ptr(), 1, self.buf.numel())
+
+
+@contextlib.contextmanager
+def _one_thread_on_cpu(device: torch.device):
+    """Isolated CPU timings run on one intra-op thread.
+
+    Between cache flushes a multi-threaded pool goes to sleep, and waking it (or waiting for a thread
+    another process has descheduled) can cost milliseconds, more than a small op itself; candidate CPU
+    kernels are single-threaded too, so both sides of a comparison run alike.
+    """
+    if device.type != "cpu":
+        yield
+        return
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _sync(device: torch.device) -> None:
@@ -72,7 +92,13 @@ def time_us(
 ) -> list[float]:
     """`reps` timings of `fn` in microseconds, after `warmup` untimed calls."""
     device = torch.device(device)
-    flusher = Flusher(device) if flush else None
+    if not flush:  # end-to-end timings: the model as it runs, thread pool and all
+        return _timed(fn, device, None, reps, warmup)
+    with _one_thread_on_cpu(device):
+        return _timed(fn, device, Flusher(device), reps, warmup)
+
+
+def _timed(fn, device: torch.device, flusher: Flusher | None, reps: int, warmup: int) -> list[float]:
     for _ in range(warmup):
         fn()
     _sync(device)
@@ -102,17 +128,18 @@ def compare(
     """Time A and B in alternating order (random order within each pair), L2 flushed before each."""
     device = torch.device(device)
     flusher = Flusher(device)
-    for _ in range(warmup):
-        fn_a()
-        fn_b()
-    _sync(device)
     rng = random.Random(seed)
     a, b = [], []
-    for _ in range(reps):
-        pair = [(a, fn_a), (b, fn_b)]
-        rng.shuffle(pair)
-        for out, fn in pair:
-            out.append(time_once(fn, device, flusher))
+    with _one_thread_on_cpu(device):
+        for _ in range(warmup):
+            fn_a()
+            fn_b()
+        _sync(device)
+        for _ in range(reps):
+            pair = [(a, fn_a), (b, fn_b)]
+            rng.shuffle(pair)
+            for out, fn in pair:
+                out.append(time_once(fn, device, flusher))
     low, high = bootstrap_ratio_ci(a, b, seed=seed)
     med_a, med_b = statistics.median(a), statistics.median(b)
     return Comparison(med_a, med_b, med_a / med_b, low, high, reps)
