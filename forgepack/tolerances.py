@@ -1,0 +1,54 @@
+"""The one tolerance table: how close a kernel's output must be to stock PyTorch's, by output dtype.
+
+An element passes when ``|out - ref| <= atol + rtol * |ref|`` (both finite), or both are NaN, or
+both are the same infinity. Integer and bool outputs must match exactly (bitwise).
+
+The float tolerances are a few units in the last place of each dtype, so a kernel may reorder a
+reduction or use fused multiply-adds, but an fp32 op computed through bf16, fp16 or TF32 fails
+(those lose 3-5 decimal digits; fp32 keeps about 7):
+
+| dtype    | rtol   | atol  | unit roundoff | why                                        |
+|----------|--------|-------|---------------|--------------------------------------------|
+| float64  | 1e-7   | 1e-7  | 1.1e-16       | generous for reordering, far below fp32    |
+| float32  | 1e-5   | 1e-5  | 6.0e-8        | ~100 ulp; TF32 (4.9e-4) and bf16 fail      |
+| float16  | 2e-3   | 1e-4  | 4.9e-4        | ~2 ulp of an fp32-accumulated result       |
+| bfloat16 | 1.6e-2 | 1e-3  | 3.9e-3        | ~2 ulp of an fp32-accumulated result       |
+| ints     | exact  | exact |               |                                            |
+| bool     | exact  | exact |               | the byte must be 0 or 1                    |
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    rtol: float
+    atol: float
+
+    def describe(self) -> str:
+        return f"rtol={self.rtol:g}, atol={self.atol:g}"
+
+
+TOLERANCES: dict[str, Tolerance] = {
+    "float64": Tolerance(1e-7, 1e-7),
+    "float32": Tolerance(1e-5, 1e-5),
+    "float16": Tolerance(2e-3, 1e-4),
+    "bfloat16": Tolerance(1.6e-2, 1e-3),
+}
+EXACT_DTYPES = ("int64", "int32", "int16", "int8", "uint8", "bool")
+
+
+def tolerance(dtype: str) -> Tolerance | None:
+    """The tolerance for an output dtype name ("float32"); None means bitwise-exact."""
+    if dtype in TOLERANCES:
+        return TOLERANCES[dtype]
+    if dtype in EXACT_DTYPES:
+        return None
+    raise ValueError(f"no tolerance for dtype {dtype!r}")
+
+
+def describe(dtype: str) -> str:
+    tol = tolerance(dtype)
+    return "exact" if tol is None else tol.describe()

@@ -1,0 +1,199 @@
+"""Verification: tolerances, poison, guarded layouts, the Evaluator's worker life cycle, the verdict."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from forgepack import samples as samples_mod
+from forgepack import tolerances, verify
+from forgepack.capture import card_from_call
+from forgepack.compile import compile_kernel
+from forgepack.errors import ForgepackError
+from forgepack.evaluate import CATEGORIES, Evaluator, Verdict, accept_rule, evaluate
+
+KERNELS = Path(__file__).parent / "kernels"
+EXAMPLES = Path(__file__).resolve().parent.parent / "docs" / "examples"
+RELU = (KERNELS / "relu_cpu.cpp").read_text()
+SOFTMAX = (EXAMPLES / "softmax_cpu.cpp").read_text()
+
+
+@pytest.fixture(scope="module")
+def ev():
+    with Evaluator("cpu", timeout_s=60.0) as evaluator:
+        yield evaluator
+
+
+def relu_card(x: torch.Tensor):
+    return card_from_call(torch.ops.aten.relu.default, (x,))[0]
+
+
+# --- tolerances and comparison ---------------------------------------------------------------------
+
+
+def test_fp32_through_low_precision_fails_and_reordering_passes():
+    x = torch.randn(4096, dtype=torch.float64)
+    ref = x.to(torch.float32)
+    for low in (torch.bfloat16, torch.float16):
+        assert verify.compare(x.to(low).to(torch.float32), ref, "float32") is not None
+    tf32 = (ref.view(torch.int32) & ~0x1FFF).view(torch.float32)  # 10 mantissa bits, as TF32 keeps
+    assert verify.compare(tf32, ref, "float32") is not None
+    rows = torch.rand(64, 1024)
+    assert verify.compare(rows.flip(1).sum(1), rows.sum(1), "float32") is None  # another summation order
+    assert verify.compare(ref.nextafter(torch.tensor(math.inf)), ref, "float32") is None  # one ulp
+
+
+def test_nan_and_inf_positions_must_match():
+    ref = torch.tensor([1.0, math.nan, math.inf, -math.inf])
+    assert verify.compare(ref.clone(), ref, "float32") is None
+    for bad in ([1.0, 0.0, math.inf, -math.inf], [1.0, math.nan, -math.inf, -math.inf], [math.nan] * 4):
+        diag = verify.compare(torch.tensor(bad), ref, "float32")
+        assert diag is not None and diag["mismatched"] >= 1
+
+
+def test_integers_and_bools_are_exact():
+    ref = torch.tensor([1, 2, 3])
+    assert verify.compare(torch.tensor([1, 2, 4]), ref, "int64")["first_index"] == [2]
+    truth = torch.tensor([True, False])
+    odd = torch.tensor([2, 0], dtype=torch.uint8).view(torch.bool)  # a "true" byte that is not 1
+    assert verify.compare(odd, truth, "bool") is not None
+    assert verify.compare(truth.clone(), truth, "bool") is None
+
+
+def test_tolerance_table():
+    assert tolerances.tolerance("float32") == tolerances.Tolerance(1e-5, 1e-5)
+    assert tolerances.tolerance("bfloat16").rtol > tolerances.tolerance("float16").rtol
+    assert tolerances.tolerance("int32") is None and tolerances.tolerance("bool") is None
+    with pytest.raises(ValueError):
+        tolerances.tolerance("complex64")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "float64"])
+def test_poison_is_a_nan_no_computation_produces(dtype):
+    torch_dtype = getattr(torch, dtype)
+    meta = samples_mod.meta_of(torch.empty(3, dtype=torch_dtype))
+    bits_dtype = verify._BITS_DTYPE[meta.itemsize]
+    computed = torch.tensor([math.nan, -math.nan, 0.0], dtype=torch_dtype)
+    computed[2] = torch.tensor(math.inf, dtype=torch_dtype) - torch.tensor(math.inf, dtype=torch_dtype)
+    produced = set(computed.view(bits_dtype).tolist())
+    seen = set()
+    for run in range(3):
+        buf = verify.poisoned_output(meta, torch.device("cpu"), run).view
+        assert torch.isnan(buf).all()
+        bits = buf.view(bits_dtype)[0].item()
+        assert bits not in produced
+        seen.add(bits)
+    assert len(seen) == 3  # each run has its own poison, so an element left from an earlier run shows
+
+
+def test_guarded_buffers_keep_the_exact_layout():
+    base = torch.randn(6, 10)
+    view = base.t()[2:, 1:]  # transposed, sliced: strides (1, 10) and a storage offset
+    meta = samples_mod.meta_of(view)
+    g = verify.placed_input(meta, view, torch.device("cpu"))
+    assert g.view.stride() == view.stride() and g.view.shape == view.shape
+    assert torch.equal(g.view, view)
+    assert (g.view.data_ptr() - g.buf.data_ptr()) % 512 == meta.storage_offset * 4 % 512  # alignment kept
+    assert int(verify.view_mask(g).sum()) == view.numel()
+
+
+def test_accept_rule_and_verdict_round_trip():
+    assert accept_rule(1.2, 1.01, 0.05) and not accept_rule(1.2, 0.99, 0.05) and not accept_rule(1.04, 1.02, 0.05)
+    assert accept_rule(0.97, 0.93, -0.1) and not accept_rule(0.97, 0.88, -0.1)  # the negative-margin test mode
+    v = Verdict(False, "mismatch", "why", {"first_index": [1, 2]}, "abc", "/x.so", compile_s=1.5)
+    assert Verdict.from_json(v.to_json()) == v
+    assert set(CATEGORIES) == {"static", "compile", "crash", "timeout", "mismatch", "nondeterministic",
+                               "mutates-input", "slower"}
+
+
+# --- the evaluator -------------------------------------------------------------------------------
+
+
+def test_verify_only_accepts_without_timing(ev):
+    verdict = ev.evaluate(relu_card(torch.randn(8, 64)), RELU, bench=False)
+    assert verdict.accepted and verdict.category is None and verdict.speedup is None
+    sets = verdict.diagnostics["verification"]["input_sets"]
+    assert sum(s.startswith("fresh input") for s in sets) >= 5 and any(s.startswith("edge input") for s in sets)
+    assert verdict.binary and verdict.verify_s > 0 and verdict.bench_s == 0
+
+
+def test_benchmark_reports_an_interval(ev):
+    verdict = ev.evaluate(relu_card(torch.randn(8, 64)), RELU)
+    assert verdict.category in (None, "slower"), verdict.reason
+    assert verdict.eager_us > 0 and verdict.kernel_us > 0
+    assert verdict.ci_low <= verdict.speedup <= verdict.ci_high
+    assert verdict.accepted == accept_rule(verdict.speedup, verdict.ci_low, 0.05)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.randn(16, 8).t(),  # transposed: strides (1, 8)
+        lambda: torch.randn(10, 12)[2:, 3:],  # a storage offset and a row stride wider than the row
+        lambda: torch.randn(3, 1, 5).expand(3, 4, 5),  # a zero stride
+    ],
+)
+def test_strided_layouts_are_verified_as_captured(ev, make):
+    card = relu_card(make())
+    assert ev.evaluate(card, RELU, bench=False).accepted
+
+
+@pytest.mark.parametrize(("shape", "dim"), [((4, 32), -1), ((6, 5, 7), 1), ((3, 9), 0)])
+def test_docs_softmax_example_is_correct(ev, shape, dim):
+    card = card_from_call(torch.ops.aten._softmax.default, (torch.randn(*shape), dim, False))[0]
+    verdict = ev.evaluate(card, SOFTMAX, bench=False)
+    assert verdict.accepted, verdict.reason
+
+
+def test_every_output_is_checked(ev):
+    card = card_from_call(torch.ops.aten.max.dim, (torch.randn(16, 32), 1, False))[0]
+    assert ev.evaluate(card, (KERNELS / "max_dim_cpu.cpp").read_text(), bench=False).accepted
+    wrong = ev.evaluate(card, (KERNELS / "second_output_wrong.cpp").read_text(), bench=False)
+    assert wrong.category == "mismatch" and wrong.diagnostics["output"] == 1
+
+
+def test_captured_samples_are_verified_first(tmp_path, ev):
+    x = torch.randn(8, 64)
+    card, inputs, outputs = card_from_call(torch.ops.aten.relu.default, (x,))
+    path = tmp_path / "samples.safetensors"
+    card = dataclasses.replace(card, samples=samples_mod.save_samples(path, [(inputs, outputs)]))
+    verdict = ev.evaluate(card, RELU, samples_path=path, bench=False)
+    assert verdict.diagnostics["verification"]["input_sets"][0] == "captured sample 0"
+
+
+def test_fresh_inputs_change_from_one_evaluation_to_the_next(ev):
+    card = relu_card(torch.randn(8, 64))
+    seeds = {ev.evaluate(card, RELU, bench=False).diagnostics["seed"] for _ in range(3)}
+    assert len(seeds) == 3
+
+
+def test_worker_survives_good_kernels_and_is_replaced_after_a_crash(ev):
+    card = relu_card(torch.randn(8, 64))
+    ev.evaluate(card, RELU, bench=False)
+    pid = ev._worker.proc.pid
+    ev.evaluate(card, RELU + "\n// a second candidate\n", bench=False)
+    assert ev._worker.proc.pid == pid  # a verified kernel keeps the worker
+    crashed = ev.evaluate(card, (KERNELS / "segfault.cpp").read_text(), bench=False)
+    assert crashed.category == "crash" and "SIGSEGV" in crashed.reason
+    assert ev._worker.proc.pid != pid
+    assert ev.evaluate(card, RELU, bench=False).accepted
+
+
+def test_evaluate_compiled_and_one_shot_evaluate(ev):
+    card = relu_card(torch.randn(8, 64))
+    compiled = compile_kernel(RELU, "cpu")
+    verdict = ev.evaluate_compiled(card, compiled, RELU, bench=False)
+    assert verdict.accepted and verdict.binary == compiled.binary
+    assert evaluate(card, RELU, target="cpu", bench=False).accepted
+
+
+def test_a_card_whose_stock_op_disagrees_is_a_user_error(ev):
+    card = relu_card(torch.randn(8, 64))
+    wrong = dataclasses.replace(card, outputs=(dataclasses.replace(card.outputs[0], shape=(4, 64)),))
+    with pytest.raises(ForgepackError, match="card says"):
+        ev.evaluate(wrong, RELU, bench=False)
+    assert ev.evaluate(card, RELU, bench=False).accepted  # and the evaluator carries on
