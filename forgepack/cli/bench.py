@@ -1,0 +1,241 @@
+"""`forgepack bench <model|recipe> --pack <wheel>`: eager, the pack and torch.compile, side by side.
+
+Every column runs the same model on the same inputs in one process; rounds are interleaved (the
+column order is shuffled each round) and each round's time is the median of `--reps` forwards, so the
+speed-ups (paired per round) survive a noisy machine. A column is a name, a way to switch it on and
+off, and the forward to time: more columns (e.g. CUDA graphs) are one more entry in `COLUMNS`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+import zipfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.table import Table
+
+from forgepack.cli.common import console, out, resolve
+from forgepack.errors import ForgepackError, UsageError
+
+
+def register(app: typer.Typer) -> None:
+    app.command("bench")(bench_command)
+
+
+@dataclass
+class Column:
+    """One way of running the model. `setup` returns the forward to time, or raises `Skip`."""
+
+    name: str
+    setup: Callable[[Any, Any], Callable[[], Any]]
+    enter: Callable[[], None] = lambda: None
+    exit: Callable[[], None] = lambda: None
+    note: str = ""
+
+
+class Skip(Exception):
+    """A column that cannot run here (e.g. the pack does not apply to this GPU); the message says why."""
+
+
+@dataclass
+class BenchContext:
+    lm: Any
+    pack: Any = None
+    compile_backend: str = "inductor"
+    compile_mode: str | None = None
+    extras: dict = field(default_factory=dict)
+
+
+def _eager(ctx: BenchContext, col: Column) -> Callable[[], Any]:
+    return ctx.lm.run
+
+
+def _pack(ctx: BenchContext, col: Column) -> Callable[[], Any]:
+    if ctx.pack is None:
+        raise Skip("no --pack given")
+    if not ctx.pack.activate():
+        raise Skip("the pack does not apply here (see the warning above)")
+    ctx.pack.deactivate()
+    col.enter = lambda: ctx.pack.activate(strict=True)
+    col.exit = ctx.pack.deactivate
+    return ctx.lm.run
+
+
+def _compiled(ctx: BenchContext, col: Column) -> Callable[[], Any]:
+    import torch
+
+    lm = ctx.lm
+    compiled = torch.compile(lm.model, backend=ctx.compile_backend, mode=ctx.compile_mode)
+    col.note = f"torch.compile(backend={ctx.compile_backend!r}" + (f", mode={ctx.compile_mode!r})" if ctx.compile_mode
+                                                                   else ")")
+
+    def run() -> Any:
+        with torch.no_grad():
+            result = compiled(**lm.inputs)
+        lm.reset()
+        return result
+
+    return run
+
+
+# name -> how to set it up; the order is the table's
+COLUMNS: dict[str, Callable[[BenchContext, Column], Callable[[], Any]]] = {
+    "eager": _eager,
+    "pack": _pack,
+    "compile": _compiled,
+}
+
+
+def bench_command(
+    model: Annotated[str | None, typer.Argument(help="recipe .toml, built-in name, model dir or hub id")] = None,
+    pack: Annotated[str | None, typer.Option("--pack", help="the pack wheel (.whl) to time")] = None,
+    rounds: Annotated[int, typer.Option(help="interleaved rounds")] = 7,
+    reps: Annotated[int, typer.Option(help="forwards timed per column per round (median)")] = 5,
+    columns: Annotated[str, typer.Option(help=f"comma-separated, from: {', '.join(COLUMNS)}")] = "eager,pack,compile",
+    compile_backend: Annotated[str, typer.Option("--compile-backend", help="torch.compile backend")] = "inductor",
+    compile_mode: Annotated[str | None, typer.Option("--compile-mode", help="torch.compile mode")] = None,
+    target: Annotated[str | None, typer.Option(help="cpu or cuda (overrides the recipe)")] = None,
+    dtype: Annotated[str | None, typer.Option(help="float32, float16 or bfloat16")] = None,
+    batch: Annotated[int | None, typer.Option(help="batch size")] = None,
+    seq_len: Annotated[int | None, typer.Option("--seq-len", help="sequence length")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="print JSON for machines")] = False,
+) -> None:
+    """Time the model eagerly, with the pack, and under torch.compile, interleaved in one run."""
+    names = [c.strip() for c in columns.split(",") if c.strip()]
+    unknown = [n for n in names if n not in COLUMNS]
+    if unknown or not names:
+        raise UsageError(f"unknown column {unknown[0] if unknown else '(none)'}: choose from {', '.join(COLUMNS)}")
+    if rounds < 1 or reps < 1:
+        raise UsageError("--rounds and --reps must be at least 1")
+    if "pack" in names and not pack:
+        raise UsageError("the pack column needs --pack <wheel>")
+    recipe = resolve(model, target=target, dtype=dtype, batch=batch, seq_len=seq_len)
+    from forgepack import models
+
+    with contextlib.ExitStack() as stack, models.quiet_transformers():
+        module = load_pack(Path(pack), stack) if pack else None
+        lm = models.load(recipe)
+        result = run_bench(BenchContext(lm, module, compile_backend, compile_mode), names, rounds, reps)
+    result = {"recipe": recipe.name, "device": str(lm.device), "dtype": recipe.workload.dtype,
+              "pack": str(pack) if pack else None, **result}
+    if as_json:
+        out.print_json(json.dumps(result))
+        return
+    out.print(table(result))
+
+
+def load_pack(wheel: Path, stack: contextlib.ExitStack):
+    """Import a pack straight from its wheel (unpacked to a temporary directory), without installing it."""
+    if not wheel.is_file():
+        raise UsageError(f"pack {wheel} does not exist")
+    if not zipfile.is_zipfile(wheel):
+        raise ForgepackError(f"{wheel} is not a wheel")
+    tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="forgepack-bench-")))
+    with zipfile.ZipFile(wheel) as z:
+        tops = {n.split("/")[0] for n in z.namelist() if n.endswith("/manifest.toml") and n.count("/") == 1}
+        if len(tops) != 1:
+            raise ForgepackError(f"{wheel} is not a forgepack kernel pack (no manifest.toml)")
+        z.extractall(tmp)
+    name = tops.pop()
+    if name in sys.modules:
+        raise ForgepackError(f"{name} is already imported in this process; run the benchmark in a fresh one")
+    sys.path.insert(0, str(tmp))
+    stack.callback(sys.path.remove, str(tmp))
+    return importlib.import_module(name)
+
+
+def run_bench(ctx: BenchContext, names: list[str], rounds: int, reps: int, seed: int = 0) -> dict[str, Any]:
+    """Per column: per-round medians, overall median, speed-up over eager (paired by round)."""
+    cols, skipped = {}, {}
+    for name in names:
+        col = Column(name, COLUMNS[name])
+        try:
+            fn = col.setup(ctx, col)
+            _run_in(col, fn)  # warm-up: compilation, lazy initialisation, first allocations
+            cols[name] = (col, fn)
+        except Skip as why:
+            skipped[name] = str(why)
+    device = ctx.lm.device
+    times: dict[str, list[float]] = {name: [] for name in cols}
+    rng = random.Random(seed)
+    order = list(cols)
+    for _ in range(rounds):
+        rng.shuffle(order)
+        for name in order:
+            col, fn = cols[name]
+            times[name].append(_time_round(col, fn, device, reps))
+    result: dict[str, Any] = {"rounds": rounds, "reps": reps, "columns": {}}
+    base = times.get("eager")
+    for name in names:
+        if name in skipped:
+            result["columns"][name] = {"skipped": skipped[name]}
+            continue
+        entry: dict[str, Any] = {"ms": statistics.median(times[name]), "rounds_ms": times[name],
+                                 "note": cols[name][0].note}
+        if base:
+            ratios = [b / t for b, t in zip(base, times[name], strict=True)]
+            entry["speedup"] = statistics.median(ratios)
+            entry["speedup_range"] = [min(ratios), max(ratios)]
+        result["columns"][name] = entry
+    if ctx.pack is not None and "pack" in cols:
+        hits = {vid: s["hits"] for vid, s in ctx.pack.stats().items()}
+        result["pack_hits"] = hits
+    return result
+
+
+def _run_in(col: Column, fn: Callable[[], Any]) -> Any:
+    col.enter()
+    try:
+        return fn()
+    finally:
+        col.exit()
+
+
+def _time_round(col: Column, fn: Callable[[], Any], device, reps: int) -> float:
+    import torch
+
+    col.enter()
+    try:
+        fn()  # one untimed call after switching
+        samples = []
+        for _ in range(reps):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            samples.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(samples)
+    finally:
+        col.exit()
+
+
+def table(result: dict[str, Any]) -> Table:
+    t = Table(title=f"{result['recipe']} on {result['device']} ({result['dtype']}): median of {result['rounds']} "
+                    f"interleaved rounds x {result['reps']} forwards")
+    for name, justify in (("", "left"), ("ms", "right"), ("vs eager", "right"), ("range", "right"),
+                          ("note", "left")):
+        t.add_column(name, justify=justify)
+    for name, c in result["columns"].items():
+        if "skipped" in c:
+            t.add_row(name, "-", "-", "-", f"skipped: {c['skipped']}")
+            continue
+        speed = f"{c['speedup']:.3f}x" if "speedup" in c else ""
+        span = f"{c['speedup_range'][0]:.2f}-{c['speedup_range'][1]:.2f}" if "speedup_range" in c else ""
+        t.add_row(name, f"{c['ms']:.3f}", speed, span, c.get("note", ""))
+    if "pack_hits" in result:
+        used = sum(1 for h in result["pack_hits"].values() if h)
+        console.print(f"pack kernels used: {used} of {len(result['pack_hits'])}")
+    return t

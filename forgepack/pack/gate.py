@@ -1,0 +1,323 @@
+"""The end-to-end gate: before a wheel is written, the model runs with and without the staged pack.
+
+Run in a subprocess (`python -m forgepack.pack.gate`), so the build process never loads a shim:
+
+1. Outputs: the model's output tensor (logits, or the last hidden state) on the recipe's inputs and on
+   fresh inputs of the same shapes must agree with stock within the model tolerance below, NaNs in the
+   same places; for causal LMs the greedy tokens of a 32-token continuation must be the same (a
+   divergence is accepted only where stock's two candidates were tied within that tolerance). A kernel
+   that fails alone is dropped; if the rest still fails together, all are dropped.
+2. Use: a kernel whose guard never fires during a forward is dropped (it only costs guard checks).
+3. Pay (mode "full"): model time with the pack, without it, and without each kernel in turn, in
+   interleaved rounds (order shuffled per round); a kernel whose removal does not slow the model is
+   dropped: on a launch-bound model, a kernel faster in isolation can be slower end to end.
+
+`decide` (pure) turns the measurements into keep/drop decisions with reasons; the parent
+(`forgepack.pack.builder`) rebuilds the pack from what is kept and runs mode "verify" on it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from forgepack.errors import ForgepackError
+
+GREEDY_TOKENS = 32
+# Model-level tolerance: max |pack - stock| over max |stock| of the output tensor. Per-op kernels are
+# accepted at a few ulp (forgepack.tolerances); through a few dozen layers that grows by about an
+# order of magnitude, and bf16 logits of a patched model typically differ by 1-2% (Liger: 1.8%).
+MODEL_RTOL = {"float64": 1e-6, "float32": 1e-3, "float16": 1e-2, "bfloat16": 5e-2}
+ROUNDS = 7
+REPS = 3
+TIMEOUT_S = 3600
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Per-round model times in ms for each configuration ("stock", "pack", "without:<id>")."""
+
+    rounds: dict[str, list[float]]
+
+    def median(self, name: str) -> float:
+        return statistics.median(self.rounds[name])
+
+    def ratio(self, a: str, b: str) -> tuple[float, float, float]:
+        """Median over rounds of a/b (paired: both measured in the same round), with a bootstrap interval."""
+        ratios = [x / y for x, y in zip(self.rounds[a], self.rounds[b], strict=True)]
+        rng = random.Random(0)
+        boots = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(1000))
+        return statistics.median(ratios), boots[25], boots[974]
+
+
+@dataclass(frozen=True)
+class GateOutcome:
+    kept: tuple[str, ...]
+    dropped: dict[str, str]  # variant id -> why
+    hits: dict[str, int] = field(default_factory=dict)  # per forward, before drops
+    ratios: dict[str, list[float]] = field(default_factory=dict)  # id -> [model slower without it, ci lo, hi]
+    outputs: dict[str, Any] = field(default_factory=dict)
+    summary: dict[str, Any] = field(default_factory=dict)  # stock_ms, pack_ms, speedup (of what is kept)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kept": list(self.kept), "dropped": self.dropped, "hits": self.hits, "ratios": self.ratios,
+                "outputs": self.outputs, "summary": self.summary}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> GateOutcome:
+        return cls(tuple(d["kept"]), d["dropped"], d["hits"], d["ratios"], d["outputs"], d["summary"])
+
+
+# --- pure decisions ------------------------------------------------------------------------------------
+
+
+def decide_pay(ids: list[str], timing: Timing) -> tuple[list[str], dict[str, str], dict[str, list[float]]]:
+    """Keep a kernel when the model is slower without it (median paired ratio above 1)."""
+    kept, dropped, ratios = [], {}, {}
+    for vid in ids:
+        ratio, low, high = timing.ratio(f"without:{vid}", "pack")
+        ratios[vid] = [ratio, low, high]
+        if ratio > 1.0:
+            kept.append(vid)
+        else:
+            faster = (1 / ratio - 1) * 100
+            dropped[vid] = (f"does not pay end to end: the model is {faster:.1f}% faster without it "
+                            f"(time without/with {ratio:.3f}, 95% CI {low:.3f}-{high:.3f})")
+    return kept, dropped, ratios
+
+
+def decide_use(ids: list[str], hits: dict[str, int]) -> tuple[list[str], dict[str, str]]:
+    kept = [i for i in ids if hits.get(i, 0) > 0]
+    dropped = {i: "never used: its guard matched no call of the model's forward" for i in ids if i not in kept}
+    return kept, dropped
+
+
+def greedy_agree(stock: list[list[int]], pack: list[list[int]], stock_logits: list, rtol: float) -> tuple[bool, str]:
+    """Same greedy tokens, or the first divergence is a tie within tolerance in stock's own logits."""
+    for row, (a, b) in enumerate(zip(stock, pack, strict=True)):
+        for step, (x, y) in enumerate(zip(a, b, strict=True)):
+            if x == y:
+                continue
+            logits = stock_logits[step][row]
+            gap = float(logits[x] - logits[y])
+            scale = float(logits.abs().max())
+            if gap <= rtol * scale:
+                return True, f"row {row} diverges at token {step} where stock's top two are tied ({gap:.3g})"
+            return False, f"row {row} diverges at token {step}: stock prefers {x} over {y} by {gap:.3g}"
+    return True, f"same {len(stock[0]) if stock else 0} greedy tokens"
+
+
+# --- measurements (in the subprocess) -------------------------------------------------------------------
+
+
+def _sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _output(lm, inputs) -> Any:
+    return lm.output_tensor(lm.run(inputs)).detach().clone()
+
+
+def compare_outputs(lm, pack, ids: set[str] | None, input_sets: list[dict]) -> tuple[bool, str, float]:
+    """Model outputs with the pack (only `ids` enabled) against stock; (ok, note, worst relative error)."""
+    import torch
+
+    rtol = MODEL_RTOL.get(str(lm.dtype).removeprefix("torch."), 1e-3)
+    worst = 0.0
+    for n, inputs in enumerate(input_sets):
+        pack.deactivate()
+        ref = _output(lm, inputs)
+        pack.activate(strict=True)
+        pack.enable_only(ids)
+        got = _output(lm, inputs)
+        if got.shape != ref.shape:
+            return False, f"output shape {tuple(got.shape)} differs from stock's {tuple(ref.shape)}", float("inf")
+        r, g = ref.double(), got.double()
+        if not torch.equal(torch.isnan(r), torch.isnan(g)):
+            return False, f"input set {n}: NaN in different places than stock", float("inf")
+        finite = torch.isfinite(r) & torch.isfinite(g)
+        scale = float(r[finite].abs().max()) if bool(finite.any()) else 1.0
+        err = float((r - g)[finite].abs().max()) / max(scale, 1e-30) if bool(finite.any()) else 0.0
+        worst = max(worst, err)
+        if err > rtol:
+            return False, f"input set {n}: outputs differ by {err:.2e} of their scale (tolerance {rtol:g})", err
+    return True, f"outputs within {worst:.2e} of their scale (tolerance {rtol:g})", worst
+
+
+def greedy(lm, steps: int = GREEDY_TOKENS) -> tuple[list[list[int]], list]:
+    """A greedy continuation of the recipe's prompt, recomputing the full sequence each step (no cache)."""
+    import torch
+
+    ids = lm.inputs["input_ids"]
+    logits_per_step = []
+    with torch.no_grad():
+        for _ in range(steps):
+            out = lm.model(input_ids=ids, use_cache=False)
+            logits = out.logits[:, -1, :].double().cpu()
+            logits_per_step.append(logits)
+            nxt = logits.argmax(dim=-1, keepdim=True).to(ids.device)
+            ids = torch.cat([ids, nxt], dim=1)
+    prompt = lm.inputs["input_ids"].shape[1]
+    return ids[:, prompt:].tolist(), logits_per_step
+
+
+def check_tokens(lm, pack, ids: set[str] | None) -> tuple[bool, str]:
+    pack.deactivate()
+    stock, stock_logits = greedy(lm)
+    pack.activate(strict=True)
+    pack.enable_only(ids)
+    got, _ = greedy(lm)
+    rtol = MODEL_RTOL.get(str(lm.dtype).removeprefix("torch."), 1e-3)
+    return greedy_agree(stock, got, stock_logits, rtol)
+
+
+def check_correct(lm, pack, ids: set[str] | None, input_sets: list[dict], tokens: bool) -> tuple[bool, str]:
+    ok, note, _ = compare_outputs(lm, pack, ids, input_sets)
+    if ok and tokens:
+        ok, token_note = check_tokens(lm, pack, ids)
+        note = f"{note}; {token_note}"
+    return ok, note
+
+
+def count_hits(lm, pack, ids: list[str]) -> dict[str, int]:
+    pack.activate(strict=True)
+    pack.enable_only(set(ids))
+    before = pack.stats()
+    lm.run()
+    after = pack.stats()
+    return {i: after[i]["hits"] - before[i]["hits"] for i in ids}
+
+
+def measure(lm, pack, configs: dict[str, set[str] | None], rounds: int, reps: int, seed: int = 0) -> Timing:
+    """Per-round median model time (ms) for each config; None = stock (pack deactivated)."""
+    rng = random.Random(seed)
+    names = list(configs)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for _ in range(rounds):
+        rng.shuffle(names)
+        for name in names:
+            ids = configs[name]
+            if ids is None:
+                pack.deactivate()
+            else:
+                pack.activate(strict=True)
+                pack.enable_only(ids)
+            lm.run()  # warm-up after switching
+            samples = []
+            for _ in range(reps):
+                _sync(lm.device)
+                t0 = time.perf_counter()
+                lm.run()
+                _sync(lm.device)
+                samples.append((time.perf_counter() - t0) * 1e3)
+            times[name].append(statistics.median(samples))
+    pack.deactivate()
+    return Timing(times)
+
+
+def evaluate(lm, pack, mode: str, rounds: int = ROUNDS, reps: int = REPS) -> GateOutcome:
+    ids = pack.variant_ids()
+    dropped: dict[str, str] = {}
+    input_sets = [lm.inputs, lm.make_inputs(seed=1)]
+    tokens = lm.recipe.workload.task == "causal-lm"
+    ok, note = check_correct(lm, pack, set(ids), input_sets, tokens)
+    outputs = {"ok": ok, "note": note}
+    keep = list(ids)
+    if not ok:
+        for vid in ids:  # find the kernels that break the model on their own
+            alone_ok, alone_note = check_correct(lm, pack, {vid}, input_sets, tokens)
+            if not alone_ok:
+                dropped[vid] = f"changes the model's outputs: {alone_note}"
+        keep = [i for i in ids if i not in dropped]
+        ok, note = check_correct(lm, pack, set(keep), input_sets, tokens)
+        if not ok:
+            dropped.update({i: f"changes the model's outputs together with the others: {note}" for i in keep})
+            keep = []
+        outputs = {"ok": ok, "note": note, "first": outputs["note"]}
+    hits = count_hits(lm, pack, ids)
+    keep, unused = decide_use(keep, hits)
+    dropped.update(unused)
+    ratios: dict[str, list[float]] = {}
+    summary: dict[str, Any] = {}
+    if mode == "full" and keep:
+        configs = {"stock": None, "pack": set(keep), **{f"without:{i}": set(keep) - {i} for i in keep}}
+        timing = measure(lm, pack, configs, rounds, reps)
+        keep, slow, ratios = decide_pay(keep, timing)
+        dropped.update(slow)
+    if keep:
+        final = measure(lm, pack, {"stock": None, "pack": set(keep)}, rounds, reps, seed=1)
+        ratio, low, high = final.ratio("stock", "pack")
+        summary = {"stock_ms": final.median("stock"), "pack_ms": final.median("pack"), "speedup": ratio,
+                   "ci": [low, high], "rounds": rounds, "reps": reps}
+    pack.deactivate()
+    return GateOutcome(tuple(keep), dropped, hits, ratios, outputs, summary)
+
+
+# --- the subprocess ---------------------------------------------------------------------------------------
+
+
+def run(recipe, stage_root: Path, package: str, mode: str = "full", rounds: int = ROUNDS, reps: int = REPS,
+        timeout: float = TIMEOUT_S) -> GateOutcome:
+    """Run the gate on the staged package in a fresh Python process; raises ForgepackError if it fails."""
+    from forgepack import recipe as recipe_mod
+    from forgepack.pack.manifest import toml_dumps
+
+    out = Path(stage_root) / f"gate-{mode}.json"
+    out.unlink(missing_ok=True)
+    recipe_path = Path(stage_root) / "gate-recipe.toml"  # exactly the recipe being built (tomli_w not needed)
+    recipe_path.write_text(toml_dumps(recipe_mod.to_dict(recipe)))
+    repo = Path(__file__).resolve().parent.parent.parent
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(repo), env.get("PYTHONPATH", "")) if p)
+    env.pop("FORGEPACK_DISABLE", None)
+    cmd = [sys.executable, "-m", "forgepack.pack.gate", "--recipe", str(recipe_path), "--stage", str(stage_root),
+           "--package", package, "--mode", mode, "--rounds", str(rounds), "--reps", str(reps), "--out", str(out)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, check=False)
+    except subprocess.TimeoutExpired:
+        raise ForgepackError(f"the end-to-end gate did not finish in {timeout:.0f} s") from None
+    if proc.returncode != 0 or not out.exists():
+        tail = " | ".join(proc.stderr.strip().splitlines()[-3:])
+        raise ForgepackError(f"the end-to-end gate failed (exit {proc.returncode}): {tail}")
+    return GateOutcome.from_json(json.loads(out.read_text()))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m forgepack.pack.gate")
+    parser.add_argument("--recipe", required=True)
+    parser.add_argument("--stage", required=True)
+    parser.add_argument("--package", required=True)
+    parser.add_argument("--mode", choices=("full", "verify"), default="full")
+    parser.add_argument("--rounds", type=int, default=ROUNDS)
+    parser.add_argument("--reps", type=int, default=REPS)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+
+    from forgepack import models
+    from forgepack import recipe as recipe_mod
+
+    sys.path.insert(0, str(Path(args.stage).resolve()))
+    pack = importlib.import_module(args.package)
+    recipe = recipe_mod.concrete(recipe_mod.load(args.recipe))
+    with models.quiet_transformers():
+        lm = models.load(recipe)
+        outcome = evaluate(lm, pack, args.mode, args.rounds, args.reps)
+    Path(args.out).write_text(json.dumps(outcome.to_json(), indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,277 @@
+"""A pack's manifest: what is in the wheel, what it was built for, and every variant's guard.
+
+`manifest.toml` sits next to the pack's `__init__.py`. The loader (which imports nothing of forgepack)
+reads it to check the torch and CUDA versions and the GPU arch, to verify every file's sha256 before
+loading anything, and to name the shim's counters; the self-test draws fresh inputs from each
+variant's recorded arguments. `forgepack inspect` prints it.
+
+`loads(dumps(m)) == m` for every manifest. TOML is written here rather than with `tomli_w` because
+the GPU machines that build packs may not have it; the subset needed (tables, arrays of tables,
+inline tables, strings, numbers, booleans, arrays) is small.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import tomllib
+
+from forgepack.cards import Arg, TensorMeta, ValueStats
+
+FORMAT = 1
+FILE = "manifest.toml"
+
+
+@dataclass(frozen=True)
+class OutputTolerance:
+    """How close each output must be to stock (`forgepack.tolerances`); exact when both are 0."""
+
+    dtype: str
+    rtol: float = 0.0
+    atol: float = 0.0
+
+    @property
+    def exact(self) -> bool:
+        return self.rtol == 0.0 and self.atol == 0.0
+
+
+@dataclass(frozen=True)
+class PackVariant:
+    id: str  # the card id
+    op: str  # "aten.silu.default"
+    schema: str
+    signature: str  # short form for tables
+    args: tuple[Arg, ...]  # the guard: every schema argument as the card fixed it
+    outputs: tuple[TensorMeta, ...]  # allocated on a hit
+    kernel: str  # path of the kernel's shared object inside the package
+    source: str  # its source, for audit
+    tolerance: tuple[OutputTolerance, ...]
+    speedup: float  # eager / kernel, in isolation (the search's measurement)
+    ci_low: float
+    ci_high: float
+    eager_us: float
+    kernel_us: float
+    proposer: str
+    calls: int = 0  # per model forward, from capture
+    modules: tuple[str, ...] = ()
+    e2e_ratio: float | None = None  # gate: model time without this kernel / with it (> 1: it pays)
+
+
+@dataclass(frozen=True)
+class PackFile:
+    path: str  # relative to the package directory
+    sha256: str
+    bytes: int
+
+
+@dataclass(frozen=True)
+class Provenance:
+    forgepack: str
+    date: str  # ISO 8601, UTC
+    commit: str | None = None
+    proposers: tuple[str, ...] = ()
+    device: str = ""  # the device the kernels were verified and timed on
+
+
+@dataclass(frozen=True)
+class Manifest:
+    name: str  # the Python package: forgepack_pack_<slug>
+    slug: str
+    version: str
+    target: str  # "cuda" | "cpu"
+    arch: str | None  # "sm_90" for cuda
+    torch: str  # torch.__version__ the shim was compiled against
+    cuda: str | None  # torch.version.cuda at build time
+    cxx11_abi: bool
+    platform: str
+    python: str
+    namespace: str  # torch.ops namespace of the shim's control ops
+    shim: str  # path of the shim library inside the package
+    shim_source: str
+    model: dict[str, Any]
+    workload: dict[str, Any]
+    gate: str  # "passed" | "skipped"
+    variants: tuple[PackVariant, ...]
+    files: tuple[PackFile, ...] = ()
+    provenance: Provenance = field(default_factory=lambda: Provenance("", ""))
+    gate_summary: dict[str, Any] = field(default_factory=dict)  # stock/pack model time, speed-up
+    align_bytes: int = 16
+
+    def file(self, path: str) -> PackFile | None:
+        return next((f for f in self.files if f.path == path), None)
+
+
+# --- to and from plain data ------------------------------------------------------------------------
+
+
+def _drop_none(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _drop_none(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list | tuple):
+        return [_drop_none(v) for v in value]
+    return value
+
+
+def _meta_dict(m: TensorMeta) -> dict[str, Any]:
+    return _drop_none(dataclasses.asdict(m))
+
+
+def _arg_dict(a: Arg) -> dict[str, Any]:
+    d: dict[str, Any] = {"name": a.name, "kind": a.kind}
+    if a.kind == "tensor":
+        d["tensor"] = _meta_dict(a.tensor)
+    elif a.kind == "tensors":
+        d["tensors"] = [_meta_dict(t) for t in a.tensors]
+    elif a.kind == "value" and a.value is not None:
+        d["value"] = a.value
+    return d
+
+
+def to_dict(m: Manifest) -> dict[str, Any]:
+    variants = []
+    for v in m.variants:
+        d = dataclasses.asdict(v)
+        d["args"] = [_arg_dict(a) for a in v.args]
+        d["outputs"] = [_meta_dict(o) for o in v.outputs]
+        variants.append(_drop_none(d))
+    return _drop_none({
+        "format": FORMAT,
+        "name": m.name,
+        "slug": m.slug,
+        "version": m.version,
+        "gate": m.gate,
+        "model": m.model,
+        "workload": m.workload,
+        "target": {"device": m.target, "arch": m.arch},
+        "build": {"torch": m.torch, "cuda": m.cuda, "cxx11_abi": m.cxx11_abi, "platform": m.platform,
+                  "python": m.python, "align_bytes": m.align_bytes},
+        "shim": {"namespace": m.namespace, "library": m.shim, "source": m.shim_source},
+        "provenance": dataclasses.asdict(m.provenance),
+        "gate_summary": m.gate_summary,
+        "variants": variants,
+        "files": [dataclasses.asdict(f) for f in m.files],
+    })
+
+
+def _meta(d: dict[str, Any]) -> TensorMeta:
+    stats = ValueStats(**d["stats"]) if d.get("stats") else None
+    return TensorMeta(d["dtype"], tuple(d["shape"]), tuple(d["stride"]), d.get("storage_offset", 0),
+                      d.get("device", "cpu"), stats)
+
+
+def _arg(d: dict[str, Any]) -> Arg:
+    return Arg(
+        name=d["name"],
+        kind=d["kind"],
+        tensor=_meta(d["tensor"]) if "tensor" in d else None,
+        tensors=tuple(_meta(t) for t in d.get("tensors", ())),
+        value=d.get("value"),
+    )
+
+
+def _variant(d: dict[str, Any]) -> PackVariant:
+    d = dict(d)
+    d["args"] = tuple(_arg(a) for a in d["args"])
+    d["outputs"] = tuple(_meta(o) for o in d["outputs"])
+    d["tolerance"] = tuple(OutputTolerance(**t) for t in d["tolerance"])
+    d["modules"] = tuple(d.get("modules", ()))
+    return PackVariant(**d)
+
+
+def from_dict(d: dict[str, Any]) -> Manifest:
+    if d.get("format") != FORMAT:
+        raise ValueError(f"manifest format {d.get('format')!r} is not {FORMAT}")
+    build, shim, target = d["build"], d["shim"], d["target"]
+    prov = dict(d.get("provenance", {}))
+    prov["proposers"] = tuple(prov.get("proposers", ()))
+    return Manifest(
+        name=d["name"],
+        slug=d["slug"],
+        version=d["version"],
+        target=target["device"],
+        arch=target.get("arch"),
+        torch=build["torch"],
+        cuda=build.get("cuda"),
+        cxx11_abi=build["cxx11_abi"],
+        platform=build["platform"],
+        python=build["python"],
+        namespace=shim["namespace"],
+        shim=shim["library"],
+        shim_source=shim["source"],
+        model=d.get("model", {}),
+        workload=d.get("workload", {}),
+        gate=d["gate"],
+        variants=tuple(_variant(v) for v in d.get("variants", ())),
+        files=tuple(PackFile(**f) for f in d.get("files", ())),
+        provenance=Provenance(**prov),
+        gate_summary=d.get("gate_summary", {}),
+        align_bytes=build.get("align_bytes", 16),
+    )
+
+
+def dumps(m: Manifest) -> str:
+    return toml_dumps(to_dict(m))
+
+
+def loads(text: str) -> Manifest:
+    return from_dict(tomllib.loads(text))
+
+
+# --- a small TOML writer ---------------------------------------------------------------------------
+
+
+def toml_dumps(doc: dict[str, Any]) -> str:
+    """TOML for plain data (None values must already be dropped). Tables nest as [a.b] and [[a.b]]
+    two levels deep; deeper dicts are written inline so each guard argument stays on one line."""
+    lines: list[str] = []
+    _table(lines, (), doc)
+    return "\n".join(lines).strip() + "\n"
+
+
+def _is_table_array(v: Any) -> bool:
+    return isinstance(v, list | tuple) and len(v) > 0 and all(isinstance(x, dict) for x in v)
+
+
+def _table(lines: list[str], path: tuple[str, ...], d: dict[str, Any]) -> None:
+    inline = len(path) >= 2
+    nested = {k: v for k, v in d.items() if not inline and (isinstance(v, dict) or _is_table_array(v))}
+    for k, v in d.items():
+        if k not in nested:
+            lines.append(f"{_key(k)} = {_value(v)}")
+    for k, v in nested.items():
+        sub = (*path, k)
+        if isinstance(v, dict):
+            lines += ["", f"[{'.'.join(map(_key, sub))}]"]
+            _table(lines, sub, v)
+        else:
+            for item in v:
+                lines += ["", f"[[{'.'.join(map(_key, sub))}]]"]
+                _table(lines, sub, item)
+
+
+def _key(k: str) -> str:
+    return k if k and all(c.isalnum() or c in "_-" for c in k) else json.dumps(k)
+
+
+def _value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int):
+        return str(v)
+    if isinstance(v, float):
+        if math.isnan(v):
+            return "nan"
+        if math.isinf(v):
+            return "inf" if v > 0 else "-inf"
+        return repr(v)
+    if isinstance(v, str):
+        return json.dumps(v)  # a JSON string is a valid TOML basic string
+    if isinstance(v, list | tuple):
+        return "[" + ", ".join(_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{_key(k)} = {_value(x)}" for k, x in v.items()) + "}"
+    raise TypeError(f"cannot write {type(v).__name__} {v!r} to TOML")

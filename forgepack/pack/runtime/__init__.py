@@ -1,0 +1,226 @@
+"""A forgepack kernel pack: verified kernels for one model's operator calls, behind C++ guards.
+
+    import forgepack_pack_<name> as pack
+    pack.activate()              # one line in serving code; idempotent
+    with pack.active(): ...      # or only inside a block
+    pack.stats()                 # hits, misses and kernel errors per variant
+    pack.deactivate()            # the stock kernels again, exactly
+
+Each overridden aten op checks, in C++ at its backend dispatch key, whether a call is one of the
+variants whose kernel was verified (dtypes, sizes, strides, pointer alignment, device and compute
+capability, non-tensor arguments, no autograd needed); anything else runs the stock kernel captured
+when the pack was activated, so its results are bit-identical to stock PyTorch.
+
+The pack never breaks its caller: on another torch version, CUDA version or GPU arch it warns and
+does nothing. It refuses to load a file whose sha256 differs from the manifest (a warning that names
+the file; `activate(strict=True)` raises instead). `FORGEPACK_DISABLE=1` turns `activate()` into a
+logged no-op. `python -m <package> selftest` re-verifies every kernel on this machine.
+
+This file is forgepack's pack runtime, copied into every pack; it imports only torch and the
+standard library.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import threading
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+_LOG = logging.getLogger(__name__)
+_LOCK = threading.RLock()
+_STATE: dict[str, Any] = {"manifest": None, "verified": False, "loaded": False, "active": False}
+
+
+class PackError(RuntimeError):
+    """Raised by `activate(strict=True)` when the pack cannot be used here; the message says why."""
+
+
+# --- the manifest ------------------------------------------------------------------------------------
+
+
+def manifest() -> dict[str, Any]:
+    """The pack's manifest.toml as plain data (read once)."""
+    if _STATE["manifest"] is None:
+        try:
+            import tomllib
+        except ModuleNotFoundError:  # Python 3.10
+            import tomli as tomllib
+        _STATE["manifest"] = tomllib.loads((HERE / "manifest.toml").read_text())
+    return _STATE["manifest"]
+
+
+def variant_ids() -> list[str]:
+    return [v["id"] for v in manifest().get("variants", [])]
+
+
+# --- may this pack run here? --------------------------------------------------------------------------
+
+
+def _major_minor(version: str | None) -> tuple[int, ...] | None:
+    if not version:
+        return None
+    parts = version.split("+")[0].split(".")[:2]
+    try:
+        return tuple(int(p) for p in parts)
+    except ValueError:
+        return None
+
+
+def _arch_of(capability: tuple[int, int]) -> str:
+    return f"sm_{capability[0]}{capability[1]}"
+
+
+def environment_problem() -> tuple[str | None, list[int]]:
+    """(why this pack cannot run in this process, or None; the CUDA devices whose arch is the pack's)."""
+    m = manifest()
+    build, target = m["build"], m["target"]
+    if _major_minor(torch.__version__) != _major_minor(build["torch"]):
+        return f"built for torch {build['torch']}, this is torch {torch.__version__}", []
+    if bool(torch._C._GLIBCXX_USE_CXX11_ABI) != bool(build["cxx11_abi"]):
+        return "built for the other C++ ABI of torch (_GLIBCXX_USE_CXX11_ABI differs)", []
+    if target["device"] != "cuda":
+        return None, []
+    if _major_minor(torch.version.cuda) != _major_minor(build.get("cuda")):
+        return f"built for CUDA {build.get('cuda')}, this torch uses CUDA {torch.version.cuda}", []
+    if not torch.cuda.is_available():
+        return "built for CUDA GPUs, and no CUDA GPU is visible", []
+    want = target.get("arch", "").removesuffix("a")
+    devices = [i for i in range(torch.cuda.device_count()) if _arch_of(torch.cuda.get_device_capability(i)) == want]
+    if not devices:
+        have = sorted({_arch_of(torch.cuda.get_device_capability(i)) for i in range(torch.cuda.device_count())})
+        return f"built for {want} GPUs, the GPUs here are {', '.join(have)}", []
+    return None, devices
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def file_problem() -> str | None:
+    """The first file whose digest is not the manifest's, named; None when every file checks out."""
+    for entry in manifest().get("files", []):
+        path = HERE / entry["path"]
+        if not path.is_file():
+            return f"{entry['path']} is missing from the pack"
+        if _sha256(path) != entry["sha256"]:
+            return f"{entry['path']} does not match its sha256 in the manifest (modified or corrupt): refusing to load"
+    return None
+
+
+# --- activation ---------------------------------------------------------------------------------------
+
+
+def _ops():
+    return getattr(torch.ops, manifest()["shim"]["namespace"])
+
+
+def _refuse(reason: str, strict: bool, depth: int = 4) -> bool:
+    message = f"{__name__}: {reason}; running stock PyTorch"
+    if strict:
+        raise PackError(message)
+    warnings.warn(message, RuntimeWarning, stacklevel=depth)  # points at the caller of activate()
+    return False
+
+
+def _disabled() -> bool:
+    return os.environ.get("FORGEPACK_DISABLE", "").strip().lower() not in ("", "0", "false", "no")
+
+
+def activate(strict: bool = False) -> bool:
+    """Install the pack's guarded kernels; True when active. Idempotent.
+
+    Where the pack does not apply (torch/CUDA version, GPU arch, a file that fails its digest) it
+    warns and returns False, so the caller keeps running on stock PyTorch; `strict=True` raises
+    `PackError` instead.
+    """
+    with _LOCK:
+        if _disabled():
+            _LOG.warning("%s: FORGEPACK_DISABLE is set; not activating (stock PyTorch runs)", __name__)
+            return False
+        if _STATE["active"]:
+            return True
+        try:
+            return _activate(strict)
+        except PackError:
+            raise
+        except Exception as err:  # a pack must never break the process it was imported into
+            first = (str(err).splitlines() or [""])[0]
+            return _refuse(f"could not activate ({type(err).__name__}: {first})", strict, depth=3)
+
+
+def _activate(strict: bool) -> bool:
+    reason, devices = environment_problem()
+    if reason:
+        return _refuse(reason, strict)
+    if not _STATE["verified"]:
+        bad = file_problem()  # before anything of the pack is loaded into the process
+        if bad:
+            return _refuse(bad, strict)
+        _STATE["verified"] = True
+    if not _STATE["loaded"]:
+        torch.ops.load_library(str(HERE / manifest()["shim"]["library"]))
+        _STATE["loaded"] = True
+    if list(_ops().variants()) != variant_ids():
+        return _refuse("the shim's variants are not the manifest's", strict)
+    _ops().activate(str(HERE), devices)
+    _STATE["active"] = True
+    _LOG.info("%s: active, %d kernels", __name__, len(variant_ids()))
+    return True
+
+
+def deactivate() -> None:
+    """Remove the overrides: every op dispatches to the kernel it had before `activate()`."""
+    with _LOCK:
+        if _STATE["loaded"]:
+            _ops().deactivate()
+        _STATE["active"] = False
+
+
+def is_active() -> bool:
+    return bool(_STATE["active"])
+
+
+@contextlib.contextmanager
+def active(strict: bool = False):
+    """`with pack.active():` the pack's kernels inside the block (if it applies here), stock after."""
+    was = is_active()
+    activate(strict=strict)
+    try:
+        yield
+    finally:
+        if not was:
+            deactivate()
+
+
+def stats() -> dict[str, dict[str, Any]]:
+    """Per variant: its op, `hits` (calls its kernel served), `misses` (calls of its op it did not
+    serve), `errors` (calls its kernel refused, served by stock). Counters live as long as the process."""
+    ids = variant_ids()
+    ops = list(dict.fromkeys(v["op"] for v in manifest().get("variants", [])))
+    raw = list(_ops().stats()) if _STATE["loaded"] else [0] * (2 * len(ids) + len(ops))
+    n = len(ids)
+    calls = dict(zip(ops, raw[2 * n:], strict=True))
+    out = {}
+    for k, v in enumerate(manifest().get("variants", [])):
+        hits, errors = raw[k], raw[n + k]
+        out[v["id"]] = {"op": v["op"], "hits": hits, "misses": calls[v["op"]] - hits, "errors": errors}
+    return out
+
+
+def enable_only(ids: set[str] | None) -> None:
+    """Serve only these variants (None: all). For ablation in forgepack's end-to-end gate."""
+    if not _STATE["loaded"]:
+        raise PackError(f"{__name__} is not loaded; activate() first")
+    _ops().set_enabled([1 if ids is None or i in ids else 0 for i in variant_ids()])

@@ -1,0 +1,85 @@
+"""The end-to-end gate: kernels that change the model's outputs or do not pay in the model are dropped,
+with the reason in the build report, and the wheel holds only what is kept."""
+
+from __future__ import annotations
+
+import json
+import zipfile
+
+import torch
+from pack_kernels import KERNELS, SLOW_MUL, WRONG_SILU, add_unchecked, find_card, tiny_llama_workspace
+
+from forgepack.pack import build_pack
+from forgepack.pack import manifest as manifest_mod
+from forgepack.pack.gate import Timing, decide_pay, decide_use, greedy_agree
+
+# --- the decisions, from measurements -------------------------------------------------------------------------
+
+
+def test_a_kernel_is_kept_only_when_the_model_is_slower_without_it():
+    timing = Timing({
+        "pack": [10.0, 10.2, 9.9, 10.1, 10.0],
+        "without:helps": [10.6, 10.9, 10.4, 10.7, 10.5],  # removing it costs ~6%: keep
+        "without:hurts": [9.1, 9.3, 9.0, 9.2, 9.1],  # the model is faster without it: drop
+        "without:nothing": [10.0, 10.2, 9.9, 10.1, 10.0],  # no difference: it does not pay for itself
+    })
+    kept, dropped, ratios = decide_pay(["helps", "hurts", "nothing"], timing)
+    assert kept == ["helps"]
+    assert set(dropped) == {"hurts", "nothing"} and "faster without it" in dropped["hurts"]
+    assert ratios["helps"][0] > 1.05 and ratios["hurts"][0] < 0.95
+    assert ratios["helps"][1] <= ratios["helps"][0] <= ratios["helps"][2]
+
+
+def test_an_unused_kernel_is_dropped():
+    kept, dropped = decide_use(["a", "b"], {"a": 3, "b": 0})
+    assert kept == ["a"] and "never used" in dropped["b"]
+
+
+def test_greedy_tokens_must_agree_unless_stock_itself_was_tied():
+    logits = [torch.tensor([[0.0, 5.0, 4.999999, 1.0]]), torch.tensor([[0.0, 1.0, 9.0, 0.0]])]
+    assert greedy_agree([[1, 2]], [[1, 2]], logits, 1e-3)[0]
+    ok, why = greedy_agree([[1, 2]], [[2, 2]], logits, 1e-3)  # token 0: 5.0 vs 4.999999 is a tie
+    assert ok and "tied" in why
+    ok, why = greedy_agree([[1, 2]], [[1, 3]], logits, 1e-3)  # token 1: 9.0 vs 0.0 is not
+    assert not ok and "diverges at token 1" in why
+
+
+# --- the gate on the real model ----------------------------------------------------------------------------------
+
+
+def test_gate_drops_a_wrong_kernel_and_a_slow_one_and_ships_the_rest(tmp_path):
+    keep = [k for k in KERNELS if k[0] in ("aten.rsqrt.default", "aten.mean.dim")]
+    ws, recipe, cards = tiny_llama_workspace(tmp_path / "ws", entries=keep)
+    silu = find_card(cards, "aten.silu.default", "f32[1,32,128]")
+    mul = find_card(cards, "aten.mul.Tensor", "f32[1,32,128], f32[1,32,128]")
+    add_unchecked(ws, silu, WRONG_SILU)  # 2% off: slipped past per-op checks in this test's story
+    add_unchecked(ws, mul, SLOW_MUL)  # correct, 3 ms per call
+
+    result = build_pack(ws, recipe, margin=-0.99, gate=True, out_dir=tmp_path / "packs", rounds=3)
+
+    reasons = {d.card_id: d.reason for d in result.dropped}
+    assert "changes the model's outputs" in reasons[silu.id]
+    assert "does not pay end to end" in reasons[mul.id]
+    report = json.loads((ws.root / "pack_report.json").read_text())
+    listed = [d["card_id"] for d in report["kept"] + report["dropped"]]
+    assert sorted(listed) == sorted({silu.id, mul.id, *(find_card(cards, op, sig).id for op, sig, _ in keep)})
+    if result.wheel is None:  # rsqrt and mean may not pay on a busy CPU either: then nothing ships
+        assert result.gate == "empty" and not result.kept
+        return
+    assert result.gate == "passed"
+    with zipfile.ZipFile(result.wheel) as z:
+        m = manifest_mod.loads(z.read("forgepack_pack_tiny_llama/manifest.toml").decode())
+        names = z.namelist()
+    shipped = {v.id for v in m.variants}
+    assert shipped == {d.card_id for d in result.kept} and not shipped & {silu.id, mul.id}
+    assert not any(silu.id in n or mul.id in n for n in names)
+    assert m.gate == "passed" and m.gate_summary["stock_ms"] > 0 and "outputs within" in m.gate_summary["outputs"]
+    assert all(v.e2e_ratio is not None and v.e2e_ratio > 1.0 for v in m.variants)
+
+
+def test_nothing_to_ship_gives_no_wheel_and_says_why(tmp_path):
+    ws, recipe, _ = tiny_llama_workspace(tmp_path / "ws", entries=KERNELS[:1])
+    result = build_pack(ws, recipe, margin=100.0, gate=True, out_dir=tmp_path / "packs")
+    assert result.wheel is None and result.gate == "empty"
+    assert "below the margin" in result.dropped[0].reason
+    assert not (tmp_path / "packs").exists() or not list((tmp_path / "packs").iterdir())
