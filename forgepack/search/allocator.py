@@ -1,0 +1,446 @@
+"""The allocator: which card gets the next proposer call. Pure functions of cards + history.
+
+Objective (as Ansor's task scheduler: the sum over tasks of weight x latency): the model's estimated
+end-to-end gain, sum over cards of ``share x (1 - 1/speedup)``. Each call goes to the card with the
+highest estimated gain per call:
+
+    forward  = p(success) x share x (1/best - 1/next)          expected gain of one more call
+    backward = share x (1/best[t-w] - 1/best[t]) / w            gain actually realised over the last w calls
+    score    = alpha x backward + (1 - alpha) x forward         (forward alone until w calls are evaluated)
+
+- ``best`` is the card's best accepted speed-up so far (1.0: eager). ``next`` is what a success is
+  expected to reach, as a fraction of the log headroom still open: a first kernel reaches
+  ``headroom ** reach.first``, a refinement ``best x (headroom / best) ** reach.refine`` (at least 5%
+  past the best, never past the ceiling). Both fractions start from priors (half the way for a first
+  kernel, a quarter for a refinement) and are learned online from what successes on all cards really
+  reached, so the budget does not chase refinements that only ever give a few percent.
+- The achievable headroom is eager time over roofline time, where no kernel can be faster than
+  ``floor_us`` (launch latency: a 5 us op with a 0.01 us roofline does not have 500x to give) and the
+  whole is capped at ``headroom_cap`` (roofline estimates of odd ops are not to be trusted further).
+- ``p(success)``, the chance that one call improves the card's best, is a Beta posterior: the baseline
+  class's prior (vendor kernels are rarely beaten, native ones often), updated with the results of the
+  other cards of the same class, shrunk into the card's own results (``prior_strength`` pseudo-calls).
+  Calls still being evaluated count as failures until their verdict arrives (a virtual loss, so parallel
+  slots do not all pile onto one card).
+- A card is dropped for good when it is a view (no kernel runs), nothing can write kernels for it, its
+  headroom is below the acceptance margin, its best already reached the ceiling, its search space is
+  exhausted, or it has gone ``patience`` calls without improving (Ansor drops tasks that stop yielding).
+
+Every decision carries its reason, and the per-card scores it compared, so `--explain` and the store can
+say why each call went where it did.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+from forgepack.cards import Card
+
+# Beta(a, b) priors on "one call improves this card", per baseline class.
+DEFAULT_PRIORS: dict[str, tuple[float, float]] = {
+    "vendor": (0.5, 9.5),  # cuBLAS/cuDNN/flash: 5%; Kernel Forge beat 1 of 9 such ops
+    "native": (2.0, 3.0),  # PyTorch's own kernels: 40%; Kernel Forge beat 13 of 24
+    "fusion": (2.5, 2.5),  # a chain of launches replaced by one: 50%
+}
+NEVER_SEARCHED = ("view",)
+
+
+@dataclass(frozen=True)
+class Config:
+    priors: dict[str, tuple[float, float]] = field(default_factory=lambda: dict(DEFAULT_PRIORS))
+    prior_strength: float = 4.0
+    headroom_cap: float = 8.0
+    floor_us: float = 0.0  # the fastest any kernel can be on this target (launch latency)
+    first_reach: float = 0.5  # prior: a first kernel goes half the log way to the ceiling
+    refine_reach: float = 0.25  # prior: a refinement a quarter of the log way still open
+    reach_strength: float = 3.0  # pseudo-observations behind those priors
+    step: float = 0.05
+    window: int = 3  # Ansor's backward window
+    alpha: float = 0.5  # weight of the backward (realised) gain once the window is filled
+    patience: int = 6  # calls without improvement before a card is dropped
+    margin: float = 0.05  # acceptance margin: a card whose headroom is below it cannot win
+    max_pending: int | None = None  # calls in flight per card (1 for an LLM: each call sees the last verdict)
+    improvement: float = 0.02  # a better kernel counts as a success only past this (smaller is timing noise)
+
+    def prior(self, baseline: str) -> tuple[float, float]:
+        return self.priors.get(baseline, self.priors["native"])
+
+
+@dataclass(frozen=True)
+class CardState:
+    """One card as the allocator sees it: profile facts plus its search history."""
+
+    card_id: str
+    op: str
+    share: float
+    eager_us: float
+    roofline_us: float
+    baseline: str
+    headroom: float = 0.0  # the profile's eager/roofline, used when roofline_us is unknown
+    unsupported: str | None = None  # why the proposer cannot write kernels for it, if it cannot
+    exhausted: bool = False  # its search tree can grow no further
+    best: tuple[float, ...] = ()  # best speed-up after each evaluated call, in call order
+    successes: float = 0.0  # evaluated calls that improved the best
+    pending: int = 0  # calls made whose candidates are not evaluated yet
+    since_improvement: int = 0  # evaluated calls since the last improvement (all of them if none)
+
+    @property
+    def evaluated(self) -> int:
+        return len(self.best)
+
+    @property
+    def calls(self) -> int:
+        return len(self.best) + self.pending
+
+    @property
+    def best_speedup(self) -> float:
+        return self.best[-1] if self.best else 1.0
+
+
+@dataclass(frozen=True)
+class Score:
+    card_id: str
+    score: float
+    forward: float
+    backward: float
+    p: float
+    headroom: float  # achievable
+    gain: float  # end-to-end gain if the next call succeeds
+    dropped: str | None = None  # why this card gets no more calls (now)
+
+    def short(self) -> str:
+        if self.dropped:
+            return f"{self.card_id}: dropped ({self.dropped})"
+        return f"{self.card_id}: {self.score:.3g}"
+
+
+@dataclass(frozen=True)
+class Decision:
+    card_id: str | None  # None: no card is worth a call now
+    reason: str
+    scores: tuple[Score, ...] = ()
+
+    def to_json(self) -> dict:
+        top = [s for s in self.scores if not s.dropped][:5]
+        return {"card_id": self.card_id, "reason": self.reason, "top": [dataclasses.asdict(s) for s in top]}
+
+
+@dataclass(frozen=True)
+class CallResult:
+    """One proposer call as history: its card, and once evaluated whether it gave an accepted kernel."""
+
+    card_id: str
+    pending: bool = False
+    accepted: bool = False
+    speedup: float | None = None
+
+
+# --- history -------------------------------------------------------------------------------------
+
+
+def card_states(
+    cards: Iterable[Card],
+    history: Iterable[CallResult],
+    unsupported: Callable[[Card], str | None] = lambda card: None,
+    exhausted: Iterable[str] = (),
+    improvement: float = Config.improvement,
+) -> list[CardState]:
+    """Allocator states from profiled cards and the calls made so far (in call order).
+
+    The best speed-up follows every accepted kernel; a call is a success (for p and patience) when it
+    gives the card its first accepted kernel or beats the best by more than `improvement`.
+    """
+    exhausted = set(exhausted)
+    by_card: dict[str, list[CallResult]] = {}
+    for result in history:
+        by_card.setdefault(result.card_id, []).append(result)
+    states = []
+    for card in cards:
+        prof = card.profile
+        if prof is None:
+            raise ValueError(f"card {card.id} has no profile: run `forgepack profile` first")
+        best, successes, since, pending, current = [], 0, 0, 0, 1.0
+        for r in by_card.get(card.id, ()):
+            if r.pending:
+                pending += 1
+                continue
+            better = r.accepted and r.speedup is not None and r.speedup > current
+            if better and (current == 1.0 or r.speedup > current * (1 + improvement)):
+                successes, since = successes + 1, 0
+            else:
+                since += 1
+            if better:
+                current = r.speedup
+            best.append(current)
+        states.append(
+            CardState(
+                card_id=card.id,
+                op=card.op,
+                share=prof.share,
+                eager_us=prof.eager_us,
+                roofline_us=prof.roofline_us,
+                baseline=prof.baseline,
+                headroom=prof.headroom,
+                unsupported=unsupported(card),
+                exhausted=card.id in exhausted,
+                best=tuple(best),
+                successes=float(successes),
+                pending=pending,
+                since_improvement=since,
+            )
+        )
+    return states
+
+
+# --- scoring -------------------------------------------------------------------------------------
+
+
+def achievable_headroom(state: CardState, cfg: Config) -> float:
+    """Eager time over the fastest a kernel could be (roofline, but no faster than launch latency)."""
+    if state.roofline_us > 0 and state.eager_us > 0:
+        headroom = state.eager_us / max(state.roofline_us, cfg.floor_us)
+    else:
+        headroom = state.headroom
+    return max(1.0, min(headroom, cfg.headroom_cap))
+
+
+def success_probability(state: CardState, states: Sequence[CardState], cfg: Config) -> float:
+    """Posterior mean of "one more call improves this card": class prior + peers, shrunk into its own."""
+    a0, b0 = cfg.prior(state.baseline)
+    peers = [s for s in states if s.baseline == state.baseline and s.card_id != state.card_id]
+    wins = sum(s.successes for s in peers)
+    tries = sum(s.evaluated for s in peers)
+    p_class = (a0 + wins) / (a0 + b0 + tries)
+    tries_here = state.evaluated + state.pending  # pending calls count as failures until they report
+    return (cfg.prior_strength * p_class + state.successes) / (cfg.prior_strength + tries_here)
+
+
+@dataclass(frozen=True)
+class Reach:
+    """How far successes go, as fractions of the log headroom still open (learned across cards)."""
+
+    first: float  # a card's first accepted kernel: log(speedup) / log(headroom)
+    refine: float  # a later improvement: log(new / old) / log(headroom / old)
+
+
+def learned_reach(states: Sequence[CardState], cfg: Config) -> Reach:
+    """Priors updated with every success seen so far (all cards: one model of what the proposer achieves)."""
+    firsts, refines = [], []
+    for state in states:
+        headroom = achievable_headroom(state, cfg)
+        previous = 1.0
+        for best in state.best:
+            if best <= previous:
+                continue
+            if previous > 1.0 and best <= previous * (1 + cfg.improvement):
+                previous = best  # noise-sized: not a success, so not a measure of what one reaches
+                continue
+            if previous == 1.0:
+                firsts.append(min(1.0, math.log(best) / math.log(headroom)) if headroom > 1 else 1.0)
+            elif headroom > previous:
+                refines.append(min(1.0, math.log(best / previous) / math.log(headroom / previous)))
+            previous = best
+    k = cfg.reach_strength
+    return Reach(
+        first=(k * cfg.first_reach + sum(firsts)) / (k + len(firsts)),
+        refine=(k * cfg.refine_reach + sum(refines)) / (k + len(refines)),
+    )
+
+
+def next_speedup(state: CardState, headroom: float, reach: Reach, cfg: Config) -> float:
+    """What the next success is expected to reach: part of the log way from the best to the ceiling.
+
+    >>> next_speedup(CardState("c", "op", 0.1, 8.0, 2.0, "native"), 4.0, Reach(0.5, 0.25), Config())
+    2.0
+    """
+    best = state.best_speedup
+    if best <= 1.0:
+        target = headroom**reach.first
+    else:
+        target = best * (headroom / best) ** reach.refine if headroom > best else best
+    return min(headroom, max(target, best * (1 + cfg.step)))
+
+
+def drop_reason(state: CardState, headroom: float, cfg: Config) -> str | None:
+    """Why a card gets no more calls, or None. The last one is temporary (results still coming)."""
+    if state.baseline in NEVER_SEARCHED:
+        return f"{state.baseline}: no kernel runs, nothing to beat"
+    if state.unsupported:
+        return state.unsupported
+    if state.share <= 0:
+        return "no measured time"
+    if headroom < 1 + cfg.margin:
+        return f"at roofline: headroom {headroom:.2f}x is below the {cfg.margin:.0%} margin"
+    if state.best_speedup >= headroom:
+        return f"best {state.best_speedup:.2f}x reached its achievable {headroom:.2f}x"
+    if state.exhausted:
+        return "search space exhausted"
+    if state.since_improvement >= cfg.patience:
+        return f"stopped improving: {state.since_improvement} calls without a better kernel"
+    if state.since_improvement + state.pending >= cfg.patience:
+        return "waiting: its last chances are still being evaluated"
+    if cfg.max_pending is not None and state.pending >= cfg.max_pending:
+        return "waiting: the verdict of its last call is not in yet"
+    return None
+
+
+def score(state: CardState, states: Sequence[CardState], cfg: Config, reach: Reach | None = None) -> Score:
+    headroom = achievable_headroom(state, cfg)
+    p = success_probability(state, states, cfg)
+    best = state.best_speedup
+    reach = reach or learned_reach(states, cfg)
+    gain = max(0.0, state.share * (1 / best - 1 / next_speedup(state, headroom, reach, cfg)))
+    forward = p * gain
+    backward = 0.0
+    if state.evaluated >= cfg.window:
+        before = state.best[-cfg.window - 1] if state.evaluated > cfg.window else 1.0
+        backward = state.share * (1 / before - 1 / best) / cfg.window
+        value = cfg.alpha * backward + (1 - cfg.alpha) * forward
+    else:
+        value = forward
+    dropped = drop_reason(state, headroom, cfg)
+    return Score(state.card_id, 0.0 if dropped else value, forward, backward, p, headroom, gain, dropped)
+
+
+def scores(states: Sequence[CardState], cfg: Config, reach: Reach | None = None) -> list[Score]:
+    """Every card's score, best first (ties: larger share, then card id, so decisions are stable)."""
+    share = {s.card_id: s.share for s in states}
+    reach = reach or learned_reach(states, cfg)
+    out = [score(s, states, cfg, reach) for s in states]
+    return sorted(out, key=lambda s: (s.dropped is not None, -s.score, -share[s.card_id], s.card_id))
+
+
+# --- decisions -----------------------------------------------------------------------------------
+
+
+def decide(states: Sequence[CardState], cfg: Config, reach: Reach | None = None) -> Decision:
+    """The card for the next call, with the reason: highest estimated end-to-end gain per call."""
+    reach = reach or learned_reach(states, cfg)
+    ranked = scores(states, cfg, reach)
+    live = [s for s in ranked if not s.dropped and s.score > 0]
+    if not live:
+        waiting = [s for s in ranked if s.dropped and s.dropped.startswith("waiting")]
+        why = "cards still being evaluated" if waiting else "every card is dropped or has nothing left to gain"
+        return Decision(None, f"no card is worth a call: {why}", tuple(ranked))
+    top = live[0]
+    state = next(s for s in states if s.card_id == top.card_id)
+    reason = (
+        f"{top.card_id}: est. gain/call {top.score:.2e} (share {state.share:.1%}, {state.baseline}, "
+        f"p {top.p:.2f}, headroom {top.headroom:.2f}x, best {state.best_speedup:.2f}x, "
+        f"forward {top.forward:.2e}, recent {top.backward:.2e}, reach {reach.first:.2f}/{reach.refine:.2f})"
+    )
+    if len(live) > 1:
+        reason += f"; next best {live[1].card_id} {live[1].score:.2e}"
+    return Decision(top.card_id, reason, tuple(ranked))
+
+
+def decide_uniform(states: Sequence[CardState], cfg: Config, reach: Reach | None = None) -> Decision:
+    """The baseline the allocator must beat: the budget split evenly over every searchable card."""
+    usable = [
+        s for s in states
+        if s.baseline not in NEVER_SEARCHED and not s.unsupported and not s.exhausted and s.share > 0
+    ]
+    if not usable:
+        return Decision(None, "uniform: no searchable card left")
+    # ties by card id (a hash of the signature): arbitrary with respect to share, as a split that ignores
+    # the profile is; ordering by share would make it a greedy allocator
+    pick = min(usable, key=lambda s: (s.calls, s.card_id))
+    return Decision(pick.card_id, f"uniform: fewest calls so far ({pick.calls}) among {len(usable)} cards")
+
+
+STRATEGIES: dict[str, Callable[[Sequence[CardState], Config], Decision]] = {
+    "allocator": decide,
+    "uniform": decide_uniform,
+}
+
+
+# --- the plan ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PlanRow:
+    card_id: str
+    op: str
+    share: float
+    headroom: float
+    baseline: str
+    p: float
+    spent: int
+    planned: int
+    dropped: str | None
+
+
+def expected_call(state: CardState, sc: Score, reach: Reach, cfg: Config) -> CardState:
+    """A card's state after one call with the expected outcome (the best moves p of the way to next)."""
+    best = state.best_speedup
+    target = next_speedup(state, sc.headroom, reach, cfg)
+    inv = 1 / best - sc.p * (1 / best - 1 / target)
+    return dataclasses.replace(state, best=(*state.best, 1 / inv), successes=state.successes + sc.p)
+
+
+def expected_life(p: float, patience: int) -> float:
+    """Expected calls until `patience` failures in a row (when the card would be dropped).
+
+    >>> round(expected_life(0.05, 6), 1), round(expected_life(0.4, 6), 1)
+    (7.2, 51.1)
+    """
+    q = 1 - p
+    if p <= 0:
+        return float(patience)
+    return (1 - q**patience) / (p * q**patience)
+
+
+def plan(states: Sequence[CardState], budget: int, cfg: Config, strategy: str = "allocator") -> list[PlanRow]:
+    """Where the remaining `budget` calls are expected to go, by replaying the strategy on expected outcomes.
+
+    Each simulated call moves the card's best by its expected improvement; a card stops receiving
+    calls after its expected life under `patience`. Only a forecast: the real decisions are taken one
+    call at a time on real results.
+    """
+    decide_fn = STRATEGIES[strategy]
+    sim = {s.card_id: s for s in states}
+    planned = dict.fromkeys(sim, 0)
+    reach = learned_reach(states, cfg)  # from real results only: simulated ones would teach nothing new
+    first = {s.card_id: s for s in scores(states, cfg, reach)}
+    life = {cid: expected_life(sc.p, cfg.patience) for cid, sc in first.items()}
+    for _ in range(budget):
+        current = list(sim.values())
+        decision = decide_fn(current, cfg, reach)
+        if decision.card_id is None:
+            break
+        chosen = sim[decision.card_id]
+        planned[chosen.card_id] += 1
+        if strategy == "uniform":
+            chosen = dataclasses.replace(chosen, pending=chosen.pending + 1)
+        else:
+            chosen = expected_call(chosen, score(chosen, current, cfg, reach), reach, cfg)
+            if planned[chosen.card_id] >= life[chosen.card_id]:
+                chosen = dataclasses.replace(chosen, exhausted=True)
+        sim[chosen.card_id] = chosen
+    rows = [
+        PlanRow(
+            card_id=s.card_id,
+            op=s.op,
+            share=s.share,
+            headroom=first[s.card_id].headroom,
+            baseline=s.baseline,
+            p=first[s.card_id].p,
+            spent=s.calls,
+            planned=planned[s.card_id],
+            dropped=first[s.card_id].dropped,
+        )
+        for s in states
+    ]
+    return sorted(rows, key=lambda r: (-r.planned, -r.share, r.card_id))
+
+
+def estimated_gain(shares_and_speedups: Iterable[tuple[float, float]]) -> float:
+    """End-to-end fraction of operator time saved: sum of share x (1 - 1/speedup).
+
+    >>> round(estimated_gain([(0.5, 2.0), (0.1, 1.0)]), 3)
+    0.25
+    """
+    return sum(share * (1 - 1 / speedup) for share, speedup in shares_and_speedups if speedup > 0)

@@ -1,0 +1,467 @@
+"""The build loop: allocator -> tree -> proposer -> store -> executor -> store, until the budget is spent.
+
+One call at a time is decided (so every decision sees every result that has come back), while up to
+``executor.slots`` candidates compile and evaluate in the background. Order of writes, for `kill -9`:
+source file, then call + pending candidate (one transaction), then the verdict. On start, the trees are
+rebuilt from the store and pending candidates are evaluated before anything new is proposed; the budget
+counts the calls already in the store (per proposer), and dollars across all calls.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import shutil
+import time
+from collections.abc import Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from forgepack import accepted as accepted_mod
+from forgepack.accepted import AcceptedKernel
+from forgepack.cards import Card
+from forgepack.errors import ForgepackError
+from forgepack.search import allocator
+from forgepack.search.allocator import CallResult, Config, Decision, PlanRow
+from forgepack.search.executor import Executor
+from forgepack.search.proposers import NothingToPropose, Parent, Proposal, Proposer
+from forgepack.search.store import CallRecord, CandidateRecord, Store, VerdictRow
+from forgepack.search.tree import Tree, TreeConfig
+from forgepack.workspace import Workspace
+
+FLOOR_US = {"cuda": 2.0, "cpu": 1.0}  # no kernel launch + run is faster than this (allocator headroom)
+FEEDBACK_CHARS = 2000
+
+
+@dataclass(frozen=True)
+class Settings:
+    budget: int  # proposer calls (of this proposer) the store may hold when the search ends
+    target: str = "cuda"
+    arch: str | None = None
+    strategy: str = "allocator"  # or "uniform" (the benchmark's baseline)
+    max_cost: float | None = None  # US dollars over all calls in the store
+    margin: float = 0.05
+    allocator: Config | None = None
+    tree: TreeConfig = field(default_factory=TreeConfig)
+
+
+@dataclass(frozen=True)
+class CardSummary:
+    card_id: str
+    op: str
+    signature: str
+    share: float
+    baseline: str
+    calls: int
+    counts: dict[str, int]
+    best_speedup: float | None
+    best_candidate: int | None
+    kernel_us: float | None
+    roofline_us: float
+    eager_us: float
+
+    @property
+    def roofline_pct(self) -> float | None:
+        if not self.kernel_us or self.roofline_us <= 0:
+            return None
+        return 100.0 * self.roofline_us / self.kernel_us
+
+    @property
+    def gain(self) -> float:
+        """Estimated end-to-end saving, share x (1 - 1/speedup)."""
+        return allocator.estimated_gain([(self.share, self.best_speedup or 1.0)])
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    cards: list[CardSummary]
+    accepted: list[AcceptedKernel]
+    plan: list[PlanRow]
+    calls: int  # calls of this proposer in the store
+    new_calls: int  # made by this run
+    evaluated: int  # candidates evaluated by this run
+    tokens: tuple[int, int]
+    cost: float
+    wall_s: float
+    stopped: str
+
+    @property
+    def estimated_gain(self) -> float:
+        return sum(c.gain for c in self.cards)
+
+
+class Reporter:
+    """Progress callbacks; the CLI draws them, the benchmark and tests ignore them."""
+
+    def plan(self, rows: list[PlanRow], remaining: int) -> None: ...
+
+    def decided(self, call: CallRecord, decision: Decision) -> None: ...
+
+    def evaluated(self, candidate: CandidateRecord, summary: CardSummary) -> None: ...
+
+    def note(self, text: str) -> None: ...
+
+
+def source_hash(source: str) -> str:
+    return hashlib.sha256(source.encode()).hexdigest()
+
+
+def source_suffix(target: str) -> str:
+    return ".cu" if target == "cuda" else ".cpp"
+
+
+def verdict_row(verdict: Any, margin: float, binary_path: str | None) -> VerdictRow:
+    """The store's columns from an evaluator `Verdict`, with the feedback text a proposer will see."""
+    return VerdictRow(
+        accepted=bool(verdict.accepted),
+        category=verdict.category,
+        reason=verdict.reason,
+        speedup=verdict.speedup,
+        ci_low=verdict.ci_low,
+        ci_high=verdict.ci_high,
+        eager_us=verdict.eager_us,
+        kernel_us=verdict.kernel_us,
+        compile_s=verdict.compile_s,
+        verify_s=verdict.verify_s,
+        bench_s=verdict.bench_s,
+        feedback=feedback_text(verdict, margin),
+        verdict=verdict.to_json(),
+        binary_path=binary_path,
+    )
+
+
+def feedback_text(verdict: Any, margin: float) -> str:
+    if verdict.accepted:
+        return f"accepted: {verdict.speedup:.3f}x ({verdict.kernel_us:.2f} us vs eager {verdict.eager_us:.2f} us)"
+    text = f"{verdict.category}: {verdict.reason}"
+    if verdict.category == "slower" and verdict.speedup is not None:
+        text += (f" (measured {verdict.speedup:.3f}x, interval {verdict.ci_low:.3f}-{verdict.ci_high:.3f}; "
+                 f"needs at least {1 + margin:.2f}x with the interval above 1)")
+    diagnostics = verdict.diagnostics
+    if diagnostics:
+        detail = diagnostics if isinstance(diagnostics, str) else json.dumps(diagnostics, default=str)
+        text += "\n" + detail
+    return text[:FEEDBACK_CHARS]
+
+
+class Search:
+    """One build's search over `cards` (mutable state; `run()` once)."""
+
+    def __init__(
+        self,
+        workspace: Workspace,
+        cards: Sequence[Card],
+        proposer: Proposer,
+        executor: Executor,
+        settings: Settings,
+        store: Store | None = None,
+        reporter: Reporter | None = None,
+    ):
+        self.ws = workspace
+        self.cards = {c.id: c for c in cards}
+        self.proposer = proposer
+        self.executor = executor
+        self.settings = settings
+        # A paid proposer (an LLM) gets one call in flight per card, so each call sees the previous verdict;
+        # a free deterministic one (templates) proposes untried points in parallel.
+        self.cfg = settings.allocator or Config(
+            floor_us=FLOOR_US.get(settings.target, 1.0), margin=settings.margin,
+            max_pending=1 if proposer.paid else None,
+        )
+        self.store = store or Store(workspace.store_path)
+        self.reporter = reporter or Reporter()
+        self.decide = allocator.STRATEGIES[settings.strategy]
+        self._unsupported = {c.id: proposer.unsupported(c) for c in cards}
+        self.exhausted: set[str] = set()
+        self.history: dict[int, CallResult] = {}  # call id -> result, in call order
+        self.call_candidate: dict[int, int] = {}  # call id -> the new candidate it made
+        self.trees: dict[str, Tree] = {}
+        self.inflight: dict[Future, CandidateRecord] = {}
+        self.new_calls = 0
+        self.evaluated = 0
+
+    # --- state -----------------------------------------------------------------------------------
+
+    def states(self) -> list[allocator.CardState]:
+        return allocator.card_states(
+            self.cards.values(), self.history.values(), lambda c: self._unsupported[c.id], self.exhausted,
+            self.cfg.improvement,
+        )
+
+    def _rebuild(self) -> list[CandidateRecord]:
+        """Trees and history from the store; returns the candidates still to evaluate."""
+        states = {s.card_id: s for s in self.states()}
+        for card_id, state in states.items():
+            ceiling = allocator.achievable_headroom(state, self.cfg)
+            self.trees[card_id] = Tree(card_id, ceiling, self.settings.tree)
+        candidates = {c.id: c for c in self.store.candidates() if c.card_id in self.cards}
+        for cand in candidates.values():
+            tree = self.trees[cand.card_id]
+            tree.add(cand.id, cand.parent_id, cand.proposer, cand.params)
+            if cand.state == "evaluated":
+                self._record_in_tree(tree, cand)
+        for call in self.store.calls():
+            if call.card_id not in self.cards:
+                continue
+            cand = candidates.get(call.candidate_id) if call.candidate_id else None
+            if call.outcome == "new" and cand is not None:
+                self.history[call.id] = _result(cand)
+                self.call_candidate[call.id] = cand.id
+            else:
+                self.history[call.id] = CallResult(call.card_id)
+                if call.feedback:
+                    self.trees[call.card_id].note(call.parent_id, call.feedback)
+        return [c for c in candidates.values() if c.state == "pending"]
+
+    @staticmethod
+    def _record_in_tree(tree: Tree, cand: CandidateRecord) -> None:
+        tree.record(
+            cand.id, accepted=bool(cand.accepted), category=cand.category, speedup=cand.speedup,
+            kernel_us=cand.kernel_us, eager_us=cand.eager_us, feedback=cand.feedback,
+        )
+
+    def summary(self, card_id: str) -> CardSummary:
+        card, tree = self.cards[card_id], self.trees[card_id]
+        best = tree.best()
+        return CardSummary(
+            card_id=card_id,
+            op=card.op_name,
+            signature=card.signature(),
+            share=card.profile.share,
+            baseline=card.profile.baseline,
+            calls=sum(1 for r in self.history.values() if r.card_id == card_id),
+            counts=tree.counts(),
+            best_speedup=best.speedup if best else None,
+            best_candidate=best.id if best else None,
+            kernel_us=best.kernel_us if best else None,
+            roofline_us=card.profile.roofline_us,
+            eager_us=card.profile.eager_us,
+        )
+
+    # --- budget ----------------------------------------------------------------------------------
+
+    def _stop_reason(self) -> str | None:
+        spent = self.store.calls_spent(self.proposer.name)
+        if spent >= self.settings.budget:
+            return f"budget spent: {spent} of {self.settings.budget} {self.proposer.name} calls"
+        if self.settings.max_cost is not None and self.proposer.paid:
+            _, _, dollars = self.store.spend()
+            paid_calls = max(1, self.store.calls_spent(self.proposer.name))
+            expected_next = dollars / paid_calls  # the average call so far
+            if dollars + expected_next > self.settings.max_cost or self.settings.max_cost <= 0:
+                return f"cost cap: ${dollars:.2f} spent, the next call would pass ${self.settings.max_cost:.2f}"
+        return None
+
+    # --- the loop --------------------------------------------------------------------------------
+
+    def run(self) -> SearchResult:
+        started = time.monotonic()
+        for cand in self._rebuild():
+            self._submit(cand)
+        if self.inflight:
+            self.reporter.note(f"resuming: {len(self.inflight)} proposed candidates still to evaluate")
+        remaining = max(0, self.settings.budget - self.store.calls_spent(self.proposer.name))
+        plan = allocator.plan(self.states(), remaining, self.cfg, self.settings.strategy)
+        self.reporter.plan(plan, remaining)
+        stopped = self._loop()
+        while self.inflight:
+            self._collect(block=True)
+        tokens_in, tokens_out, cost = self.store.spend()
+        return SearchResult(
+            cards=[self.summary(cid) for cid in self.cards],
+            accepted=self.accepted(),
+            plan=plan,
+            calls=self.store.calls_spent(self.proposer.name),
+            new_calls=self.new_calls,
+            evaluated=self.evaluated,
+            tokens=(tokens_in, tokens_out),
+            cost=cost,
+            wall_s=time.monotonic() - started,
+            stopped=stopped,
+        )
+
+    def _loop(self) -> str:
+        while True:
+            self._collect(block=False)
+            stop = self._stop_reason()
+            if stop:
+                return stop
+            if len(self.inflight) >= self.executor.slots:
+                self._collect(block=True)
+                continue
+            decision = self.decide(self.states(), self.cfg)
+            if decision.card_id is None:
+                if self.inflight:
+                    self._collect(block=True)
+                    continue
+                return decision.reason
+            self._call(decision)
+
+    def _call(self, decision: Decision) -> None:
+        card, tree = self.cards[decision.card_id], self.trees[decision.card_id]
+        while True:
+            node = tree.select()
+            if node is None:
+                self.exhausted.add(card.id)
+                return
+            parent = None
+            if node.id is not None:
+                parent_rec = self.store.candidate(node.id)
+                parent = Parent(
+                    candidate_id=node.id,
+                    source=(self.ws.root / parent_rec.source_path).read_text(),
+                    params=node.params,
+                    proposer=node.proposer,
+                    speedup=node.speedup,
+                    kernel_us=node.kernel_us,
+                )
+            tried = frozenset(n.params_key() for n in tree.nodes.values())
+            try:
+                started = time.monotonic()
+                proposal = self.proposer.propose(card, parent, tree.lineage(node), tree.feedback(node), tried)
+                seconds = time.monotonic() - started
+            except NothingToPropose:
+                tree.mark_exhausted(node)
+                continue
+            self._record(card, tree, node.id, proposal, decision, seconds)
+            return
+
+    def _record(
+        self, card: Card, tree: Tree, parent_id: int | None, proposal: Proposal, decision: Decision, seconds: float
+    ) -> None:
+        digest = rel_path = None
+        if proposal.source is not None:
+            digest = source_hash(proposal.source)
+            rel_path = f"kernels/{card.id}/{digest[:16]}{source_suffix(self.settings.target)}"
+            path = self.ws.root / rel_path
+            if not path.exists():  # written before the call row: a pending candidate always has its source
+                path.parent.mkdir(parents=True, exist_ok=True)
+                tmp = path.with_suffix(path.suffix + ".tmp")
+                tmp.write_text(proposal.source)
+                tmp.replace(path)
+        call, cand = self.store.record_call(
+            card_id=card.id,
+            parent_id=parent_id,
+            proposer=self.proposer.name,
+            reason=decision.reason,
+            decision=decision.to_json(),
+            model=proposal.model,
+            tokens_in=proposal.tokens[0],
+            tokens_out=proposal.tokens[1],
+            cost=proposal.cost,
+            seconds=seconds,
+            source_hash=digest,
+            source_path=rel_path,
+            params=proposal.params,
+            candidate_proposer=proposal.label or self.proposer.name,
+            feedback=proposal.feedback,
+        )
+        self.new_calls += 1
+        if call.outcome == "new":
+            tree.add(cand.id, parent_id, cand.proposer, cand.params)
+            self.history[call.id] = CallResult(card.id, pending=True)
+            self.call_candidate[call.id] = cand.id
+            self._submit(cand)
+        else:
+            self.history[call.id] = CallResult(card.id)
+            tree.note(parent_id, call.feedback or call.outcome)
+        self.reporter.decided(call, decision)
+
+    def _submit(self, cand: CandidateRecord) -> None:
+        path = self.ws.root / cand.source_path
+        if not path.is_file():
+            raise ForgepackError(f"candidate #{cand.id}'s source {cand.source_path} is missing from the workspace "
+                                 f"{self.ws.root}; restore it, or delete {self.ws.store_path.name} to start over")
+        source = path.read_text()
+        samples = self.ws.sample_path(cand.card_id)
+        future = self.executor.submit(self.cards[cand.card_id], source, samples if samples.exists() else None)
+        self.inflight[future] = cand
+
+    def _collect(self, block: bool) -> None:
+        if not self.inflight:
+            return
+        done, _ = wait(list(self.inflight), timeout=None if block else 0, return_when=FIRST_COMPLETED)
+        for future in done:
+            cand = self.inflight.pop(future)
+            verdict = future.result()  # an executor failure (not a kernel's) stops the build, resumable
+            binary = self._keep_binary(cand, verdict) if verdict.accepted else None
+            cand = self.store.record_verdict(cand.id, verdict_row(verdict, self.settings.margin, binary))
+            self.evaluated += 1
+            tree = self.trees[cand.card_id]
+            self._record_in_tree(tree, cand)
+            self.exhausted.discard(cand.card_id)  # a new working node may open the tree again
+            for call_id, candidate_id in self.call_candidate.items():
+                if candidate_id == cand.id:
+                    self.history[call_id] = _result(cand)
+            self.reporter.evaluated(cand, self.summary(cand.card_id))
+
+    def _keep_binary(self, cand: CandidateRecord, verdict: Any) -> str | None:
+        """Copy the verified, timed object into the workspace: that exact file is what ships."""
+        if not verdict.binary:
+            return None
+        rel = f"kernels/{cand.card_id}/{cand.source_hash[:16]}{Path(verdict.binary).suffix or '.so'}"
+        dest = self.ws.root / rel
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(verdict.binary, dest)
+        return rel
+
+    # --- results ---------------------------------------------------------------------------------
+
+    def accepted(self) -> list[AcceptedKernel]:
+        """The best accepted candidate per card (highest speed-up; earliest on ties)."""
+        out = []
+        for card_id, tree in self.trees.items():
+            best = tree.best()
+            if best is None:
+                continue
+            rec = self.store.candidate(best.id)
+            card = self.cards[card_id]
+            out.append(
+                AcceptedKernel(
+                    card_id=card_id,
+                    target=self.settings.target,
+                    arch=self.settings.arch,
+                    source=rec.source_path,
+                    binary=rec.binary_path or "",
+                    source_hash=rec.source_hash,
+                    speedup=rec.speedup,
+                    ci_low=rec.ci_low,
+                    ci_high=rec.ci_high,
+                    eager_us=rec.eager_us,
+                    kernel_us=rec.kernel_us,
+                    proposer=rec.proposer,
+                    candidate_id=rec.id,
+                    kind=card.kind,
+                )
+            )
+        return sorted(out, key=lambda k: -self.cards[k.card_id].profile.share)
+
+
+def _result(cand: CandidateRecord) -> CallResult:
+    if cand.state == "pending":
+        return CallResult(cand.card_id, pending=True)
+    return CallResult(cand.card_id, accepted=bool(cand.accepted), speedup=cand.speedup)
+
+
+def save_accepted(workspace: Workspace, kernels: list[AcceptedKernel]) -> Path:
+    return accepted_mod.save_all(workspace.root, kernels)
+
+
+def result_json(result: SearchResult) -> dict[str, Any]:
+    """Plain data for benchmarks and `--json`."""
+    return {
+        "calls": result.calls,
+        "new_calls": result.new_calls,
+        "evaluated": result.evaluated,
+        "tokens": list(result.tokens),
+        "cost": result.cost,
+        "wall_s": result.wall_s,
+        "stopped": result.stopped,
+        "estimated_gain": result.estimated_gain,
+        "cards": [{**dataclasses.asdict(c), "gain": c.gain, "roofline_pct": c.roofline_pct} for c in result.cards],
+        "accepted": [dataclasses.asdict(k) for k in result.accepted],
+        "plan": [dataclasses.asdict(r) for r in result.plan],
+    }

@@ -1,0 +1,204 @@
+"""Allocator decisions: pure functions of card states, each with its reason."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from forgepack.cards import Arg, Card, Profile, TensorMeta
+from forgepack.search import allocator
+from forgepack.search.allocator import CallResult, CardState, Config
+
+CFG = Config(floor_us=2.0)
+
+
+def state(card_id: str, share: float, eager: float = 20.0, roofline: float = 5.0, baseline: str = "native",
+          **kw) -> CardState:
+    return CardState(card_id=card_id, op=f"aten.{card_id}.default", share=share, eager_us=eager,
+                     roofline_us=roofline, baseline=baseline, **kw)
+
+
+def test_gain_is_share_times_headroom_times_p():
+    # vendor matmul with the largest share loses to a smaller native op: p(beating cuBLAS) is low
+    states = [state("mm", 0.5, baseline="vendor"), state("softmax", 0.2), state("add", 0.05)]
+    decision = allocator.decide(states, CFG)
+    assert decision.card_id == "softmax"
+    assert "share 20.0%" in decision.reason and "native" in decision.reason and "next best" in decision.reason
+    by_id = {s.card_id: s for s in decision.scores}
+    assert by_id["mm"].p < 0.1 < 0.3 < by_id["softmax"].p
+    # doubling the native op's headroom-limited gain is what the score follows
+    assert by_id["softmax"].score > by_id["add"].score > 0
+    assert by_id["softmax"].score == pytest.approx(by_id["softmax"].p * by_id["softmax"].gain)
+
+
+def test_views_unsupported_and_roofline_cards_are_never_chosen():
+    states = [
+        state("view", 0.6, baseline="view"),
+        state("odd", 0.3, unsupported="no cpu template serves odd"),
+        state("copy", 0.1, eager=5.0, roofline=4.9),  # already at its roofline
+    ]
+    decision = allocator.decide(states, CFG)
+    assert decision.card_id is None
+    reasons = {s.card_id: s.dropped for s in decision.scores}
+    assert "no kernel runs" in reasons["view"]
+    assert reasons["odd"] == "no cpu template serves odd"
+    assert reasons["copy"].startswith("at roofline")
+    assert all(r.planned == 0 for r in allocator.plan(states, 10, CFG))
+
+
+def test_launch_floor_and_cap_bound_the_headroom():
+    tiny = state("tiny", 0.1, eager=6.0, roofline=0.01)  # 600x on paper, launch latency says 3x
+    assert allocator.achievable_headroom(tiny, CFG) == pytest.approx(3.0)
+    huge = state("huge", 0.1, eager=1000.0, roofline=1.0)
+    assert allocator.achievable_headroom(huge, CFG) == CFG.headroom_cap
+    unknown = state("unknown", 0.1, eager=0.0, roofline=0.0, headroom=2.5)
+    assert allocator.achievable_headroom(unknown, CFG) == 2.5
+
+
+def test_failures_lower_p_and_move_the_budget():
+    a, b = state("a", 0.20), state("b", 0.15)
+    assert allocator.decide([a, b], CFG).card_id == "a"
+    a_failed = dataclasses.replace(a, best=(1.0, 1.0, 1.0), since_improvement=3)
+    decision = allocator.decide([a_failed, b], CFG)
+    assert decision.card_id == "b"
+    p = {s.card_id: s.p for s in decision.scores}
+    # a's own failures count fully; b's prior is shared with a's class, so it moves less
+    assert p["a"] < p["b"] < 0.4
+
+
+def test_class_posterior_learns_from_peers():
+    fresh = state("fresh", 0.1)
+    peers_won = [state(f"w{i}", 0.1, best=(1.5,), successes=1.0) for i in range(4)]
+    peers_lost = [state(f"l{i}", 0.1, best=(1.0, 1.0), since_improvement=2) for i in range(4)]
+    p_won = allocator.success_probability(fresh, [fresh, *peers_won], CFG)
+    p_lost = allocator.success_probability(fresh, [fresh, *peers_lost], CFG)
+    p_alone = allocator.success_probability(fresh, [fresh], CFG)
+    assert p_lost < p_alone < p_won
+    # other classes do not move it
+    vendors = [state(f"v{i}", 0.1, baseline="vendor", best=(1.0,) * 5) for i in range(4)]
+    assert allocator.success_probability(fresh, [fresh, *vendors], CFG) == pytest.approx(p_alone)
+
+
+def test_recent_improvement_rate_counts():
+    base = dict(share=0.1, best=(1.0, 1.0, 1.0), since_improvement=3)
+    flat = state("flat", **base)
+    rising = state("rising", share=0.1, best=(1.0, 1.3, 1.6), successes=2.0, since_improvement=0)
+    scores = {s.card_id: s for s in allocator.scores([flat, rising], CFG)}
+    assert scores["rising"].backward > 0 == scores["flat"].backward
+    assert scores["rising"].score > scores["flat"].score
+
+
+def test_cards_that_stop_improving_are_dropped():
+    stuck = state("stuck", 0.5, best=(1.2,) + (1.2,) * CFG.patience, successes=1.0, since_improvement=CFG.patience)
+    other = state("other", 0.01)
+    decision = allocator.decide([stuck, other], CFG)
+    assert decision.card_id == "other"
+    dropped = next(s for s in decision.scores if s.card_id == "stuck").dropped
+    assert dropped.startswith("stopped improving")
+
+
+def test_pending_calls_are_a_virtual_loss_and_can_make_it_wait():
+    a = state("a", 0.2)
+    busy = dataclasses.replace(a, pending=2)
+    assert allocator.success_probability(busy, [busy], CFG) < allocator.success_probability(a, [a], CFG)
+    last_chance = state("a", 0.2, best=(1.0,) * (CFG.patience - 1), since_improvement=CFG.patience - 1, pending=1)
+    decision = allocator.decide([last_chance], CFG)
+    assert decision.card_id is None and "still being evaluated" in decision.reason
+
+
+def test_reaching_the_ceiling_ends_a_card():
+    done = state("done", 0.3, eager=8.0, roofline=2.0, best=(4.0,), successes=1.0)  # headroom 4, best 4
+    assert allocator.decide([done], CFG).card_id is None
+
+
+def test_decisions_are_deterministic_and_ties_go_to_the_larger_share():
+    states = [state("b", 0.1), state("a", 0.1), state("c", 0.1)]
+    first = allocator.decide(states, CFG)
+    assert first == allocator.decide(list(reversed(states)), CFG)
+    assert first.card_id == "a"  # equal scores and shares: card id order
+
+
+def test_plan_spends_the_budget_by_expected_gain():
+    states = [state("big", 0.4), state("mid", 0.1), state("small", 0.005), state("mm", 0.45, baseline="vendor"),
+              state("v", 0.05, baseline="view")]
+    rows = {r.card_id: r for r in allocator.plan(states, 20, CFG)}
+    assert sum(r.planned for r in rows.values()) == 20
+    assert rows["big"].planned > rows["mid"].planned >= rows["small"].planned
+    assert rows["v"].planned == 0 and rows["v"].dropped
+    assert rows["big"].planned > rows["mm"].planned  # larger share, but vendor
+    uniform = {r.card_id: r.planned for r in allocator.plan(states, 20, CFG, strategy="uniform")}
+    assert uniform == {"big": 5, "mid": 5, "small": 5, "mm": 5, "v": 0}
+
+
+def test_uniform_split_is_round_robin_over_searchable_cards():
+    states = [state("a", 0.3, best=(1.0,)), state("b", 0.2), state("c", 0.1, exhausted=True),
+              state("v", 0.4, baseline="view")]
+    decision = allocator.decide_uniform(states, CFG)
+    assert decision.card_id == "b" and decision.reason.startswith("uniform")
+
+
+def _card(name: str, share: float, baseline: str = "native") -> Card:
+    meta = TensorMeta("float32", (4, 8), (8, 1))
+    return Card(op=f"aten.{name}.default", schema=f"aten::{name}(Tensor self) -> Tensor",
+                args=(Arg("self", "tensor", tensor=meta),), outputs=(meta,),
+                profile=Profile(eager_us=10.0, share=share, roofline_us=2.0, headroom=5.0, baseline=baseline))
+
+
+def test_card_states_from_history():
+    relu, neg = _card("relu", 0.3), _card("neg", 0.1)
+    history = [
+        CallResult(relu.id, accepted=False, speedup=None),
+        CallResult(relu.id, accepted=True, speedup=1.4),
+        CallResult(relu.id, accepted=True, speedup=1.2),  # accepted but not better: no improvement
+        CallResult(relu.id, pending=True),
+        CallResult(neg.id, accepted=False),
+    ]
+    states = {s.card_id: s for s in allocator.card_states([relu, neg], history, exhausted=[neg.id])}
+    r = states[relu.id]
+    assert r.best == (1.0, 1.4, 1.4) and r.successes == 1 and r.since_improvement == 1 and r.pending == 1
+    assert r.calls == 4 and r.best_speedup == 1.4 and r.share == 0.3 and r.baseline == "native"
+    assert states[neg.id].exhausted and not r.exhausted
+    # a better kernel by less than the noise threshold moves the best but is no success
+    noisy = [CallResult(relu.id, accepted=True, speedup=1.40), CallResult(relu.id, accepted=True, speedup=1.41)]
+    [n] = allocator.card_states([relu], noisy, improvement=0.02)
+    assert n.best == (1.40, 1.41) and n.successes == 1 and n.since_improvement == 1
+    with pytest.raises(ValueError, match="no profile"):
+        allocator.card_states([dataclasses.replace(relu, profile=None)], [])
+
+
+def test_decision_json_names_the_top_cards():
+    decision = allocator.decide([state("a", 0.2), state("b", 0.1)], CFG)
+    data = decision.to_json()
+    assert data["card_id"] == "a" and [t["card_id"] for t in data["top"]] == ["a", "b"]
+
+
+def test_docstring_examples():
+    import doctest
+
+    assert doctest.testmod(allocator).failed == 0
+
+
+def test_max_pending_makes_a_card_wait_for_its_verdict():
+    one_at_a_time = dataclasses.replace(CFG, max_pending=1)
+    busy, idle = state("busy", 0.5, pending=1), state("idle", 0.01)
+    assert allocator.decide([busy, idle], CFG).card_id == "busy"
+    decision = allocator.decide([busy, idle], one_at_a_time)
+    assert decision.card_id == "idle"
+    assert next(s for s in decision.scores if s.card_id == "busy").dropped.startswith("waiting")
+
+
+def test_reach_is_learned_from_what_successes_reached():
+    prior = allocator.learned_reach([state("fresh", 0.1)], CFG)
+    assert (prior.first, prior.refine) == (CFG.first_reach, CFG.refine_reach)
+    # headroom 4 (20 us eager, 5 us roofline): a first kernel at 4x reached all of it, refinements of +3%
+    # reached little of what was left
+    full = [state(f"f{i}", 0.1, best=(4.0,), successes=1.0) for i in range(6)]
+    small = [state(f"s{i}", 0.1, best=(1.5, 1.55, 1.60), successes=3.0) for i in range(6)]
+    learned = allocator.learned_reach(full + small, CFG)
+    assert learned.first > prior.first and learned.refine < prior.refine
+    # and that moves the expected gain of refining a card
+    card = state("c", 0.2, best=(1.5,), successes=1.0)
+    before = allocator.score(card, [card], CFG, prior).gain
+    after = allocator.score(card, [card], CFG, learned).gain
+    assert after < before

@@ -1,0 +1,124 @@
+"""Tree search per card: UCT on normalised reward, progressive widening, failed children kept."""
+
+from __future__ import annotations
+
+import doctest
+
+import pytest
+
+from forgepack.search import tree as tree_mod
+from forgepack.search.tree import Tree, TreeConfig, normalised_reward
+
+
+def grow(tree: Tree, parent, cid: int, speedup: float | None, category: str | None = None, accepted=None):
+    tree.add(cid, parent, "templates:t", {"i": cid})
+    ok = speedup is not None and speedup >= 1.05 if accepted is None else accepted
+    return tree.record(cid, accepted=ok, category=None if ok else (category or "slower"), speedup=speedup,
+                       kernel_us=10 / speedup if speedup else None, eager_us=10.0, feedback=f"fb {cid}")
+
+
+def test_reward_is_normalised_log_speedup():
+    assert normalised_reward(1.0, 4.0) == 0.5
+    assert normalised_reward(2.0, 4.0) == pytest.approx(0.75)
+    assert normalised_reward(0.5, 4.0) == pytest.approx(0.25)
+    assert normalised_reward(100.0, 4.0) == 1.0 and normalised_reward(0.001, 4.0) == 0.0
+    # the same relative gain scores the same on a 1 us op and a 1 ms op: no raw milliseconds
+    assert normalised_reward(1.5, 3.0) == normalised_reward(1.5, 3.0)
+    assert doctest.testmod(tree_mod).failed == 0
+
+
+def test_root_first_then_progressive_widening():
+    t = Tree("c", ceiling=4.0, config=TreeConfig(c=1.0, alpha=0.5))
+    assert t.select() is t.root  # nothing yet: propose from scratch
+    grow(t, None, 1, 1.2)
+    # root has 1 visit -> 1 child allowed; the child may have 1 child: deepen it
+    assert t.select() is t.nodes[1]
+    grow(t, 1, 2, 1.3)
+    # root has 2 visits -> ceil(sqrt 2) = 2 children allowed: widen the root again
+    assert t.allowed_children(t.root) == 2 and t.select() is t.root
+    grow(t, None, 3, 1.1)
+    assert t.allowed_children(t.root) == 2 and len(t.root.children) == 2
+    assert t.select() is not t.root
+
+
+def test_failed_children_are_kept_with_feedback_but_never_selected():
+    t = Tree("c", ceiling=4.0)
+    grow(t, None, 1, None, category="compile")
+    node = t.nodes[1]
+    assert node.state == "failed" and node.reward is None and node in t.root.children
+    assert t.root.visits == 1 and t.root.wins == 0 and t.root.q == 0.0  # effort counted, no value
+    # nothing selectable below: the root is widened anyway, with the failure as feedback
+    assert t.select() is t.root
+    assert t.feedback(t.root) == ["candidate #1: fb 1"]
+    grow(t, None, 2, 1.5)
+    # root: 2 visits, 2 children allowed, both used: descend, past the failure, to the working kernel
+    assert t.select() is t.nodes[2]
+    grow(t, 2, 3, None, category="crash")
+    grow(t, 2, 4, None, category="timeout")
+    chosen = t.select()
+    assert chosen.state != "failed" and chosen in (t.root, t.nodes[2])
+
+
+def test_slower_but_correct_kernels_stay_selectable():
+    t = Tree("c", ceiling=4.0)
+    grow(t, None, 1, 0.9)  # correct, 10% slower than eager
+    assert t.nodes[1].state == "ok" and t.nodes[1].reward < 0.5
+    assert t.select() is t.nodes[1]
+
+
+def test_uct_prefers_the_better_child_at_equal_visits():
+    t = Tree("c", ceiling=4.0, config=TreeConfig(c=0.5, alpha=0.5, exploration=0.1))
+    grow(t, None, 1, 1.1)
+    grow(t, None, 2, 2.0)
+    t.mark_exhausted(t.root)
+    assert t.select() is t.nodes[2]
+    assert t.uct(t.nodes[2], t.root) > t.uct(t.nodes[1], t.root)
+
+
+def test_exploration_term_visits_the_less_tried_child():
+    t = Tree("c", ceiling=4.0, config=TreeConfig(c=1.0, alpha=0.5, exploration=2.0))
+    grow(t, None, 1, 1.3)
+    grow(t, None, 2, 1.2)
+    for cid in range(10, 16):  # many descendants under 1
+        grow(t, 1, cid, 1.3)
+    t.mark_exhausted(t.root)
+    t.mark_exhausted(t.nodes[1])
+    for cid in range(10, 16):
+        t.mark_exhausted(t.nodes[cid])
+    assert t.uct(t.nodes[2], t.root) > t.uct(t.nodes[1], t.root)
+    assert t.select() is t.nodes[2]
+
+
+def test_exhausted_subtrees_are_skipped_and_an_exhausted_tree_returns_none():
+    t = Tree("c", ceiling=4.0)
+    grow(t, None, 1, 1.5)
+    grow(t, 1, 2, None, category="mismatch")
+    t.mark_exhausted(t.nodes[1])
+    assert t.select() is t.root  # the only working node has nothing left
+    t.mark_exhausted(t.root)
+    assert t.select() is None
+
+
+def test_pending_children_count_for_widening_and_are_not_parents():
+    t = Tree("c", ceiling=4.0)
+    t.add(1, None, "templates:t", {"i": 1})
+    assert t.nodes[1].state == "pending"
+    assert t.select() is t.root  # forced widening: nothing selectable yet
+    assert t.tried(t.root) == frozenset({'{"i": 1}'})
+    t.record(1, accepted=True, category=None, speedup=1.3)
+    with pytest.raises(ValueError):
+        t.record(1, accepted=True, category=None, speedup=1.3)
+
+
+def test_lineage_and_notes():
+    t = Tree("c", ceiling=4.0)
+    grow(t, None, 1, 1.2)
+    grow(t, 1, 2, 1.4)
+    t.note(2, "the reply had no fenced code block")
+    lineage = t.lineage(t.nodes[2])
+    assert [e.candidate_id for e in lineage] == [1, 2]
+    assert lineage[1].speedup == 1.4 and lineage[1].accepted and lineage[0].kernel_us == pytest.approx(10 / 1.2)
+    assert t.lineage(t.root) == []
+    assert t.feedback(t.nodes[2]) == ["the reply had no fenced code block"]
+    assert t.best() is t.nodes[2]
+    assert t.counts() == {"accepted": 2}
