@@ -1,3 +1,4 @@
 from forgepack.cli import main
 
-main()
+if __name__ == "__main__":  # guarded: worker processes that import this module must not run the CLI
+    main()

@@ -208,10 +208,12 @@ class Evaluator:
     card whose stock op fails on its own inputs.
     """
 
-    def __init__(self, target: str, device_index: int = 0, timeout_s: float = 60.0):
+    def __init__(self, target: str, device_index: int = 0, timeout_s: float = 60.0, bench_reps: int | None = None):
+        """`bench_reps`: interleaved pairs per benchmark (default `verify.BENCH_REPS`); fewer for quick sweeps."""
         if target not in TARGETS:
             raise ForgepackError(f"unknown target {target!r}: expected one of {', '.join(TARGETS)}")
         self.target = target
+        self.bench_reps = bench_reps
         self.device_index = device_index
         self.timeout_s = timeout_s
         self._worker: _Worker | None = _Worker(target, device_index)  # starts now, overlapping the first compile
@@ -279,7 +281,8 @@ class Evaluator:
                            {"verification": verified, "seed": seed}, verify_s=verify_s, **base)
         say("benchmarking")
         start = time.perf_counter()
-        timed = self._ask({"cmd": "bench", **request})
+        reps = {"reps": self.bench_reps} if self.bench_reps else {}
+        timed = self._ask({"cmd": "bench", **request, **reps})
         bench_s = time.perf_counter() - start
         if not timed.get("ok"):
             return self._rejected(timed, base, seed, verify_s=verify_s, bench_s=bench_s)

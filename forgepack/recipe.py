@@ -70,7 +70,7 @@ class BuildSettings:
     proposer: str = "templates"
     margin: float = 0.05
     max_cost: float | None = None  # USD, for LLM proposers
-    llm_model: str = "claude-sonnet-4-5"
+    llm_model: str = "claude-sonnet-4-6"
     gate: bool = True
 
 

@@ -94,8 +94,9 @@ def handle(request: dict, device, kernels: dict, cards, verify) -> tuple[dict, b
     except OSError as err:
         return verify.fail("crash", f"could not be loaded: {err}", error=str(err)), True
     run = verify.verify if cmd == "verify" else verify.bench
+    extra = {"reps": int(request["reps"])} if cmd == "bench" and request.get("reps") else {}
     try:
-        return run(card, kernels[binary], request.get("samples"), device, int(request["seed"])), False
+        return run(card, kernels[binary], request.get("samples"), device, int(request["seed"]), **extra), False
     except verify.StockOpError as err:
         return {"ok": False, "error": str(err)}, False
     except Exception as err:  # a kernel error surfacing in torch (illegal address, launch failure, ...)

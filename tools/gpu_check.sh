@@ -6,7 +6,11 @@
 #   bash tools/gpu_check.sh                 # every stage
 #   bash tools/gpu_check.sh tests profile   # some stages, in this order
 #
-# Stages: tests profile evaluate templates search dispatch packs graphs fusion
+# Stages: tests profile evaluate templates search dispatch packs graphs
+#   packs: builds a pack per reference recipe and times eager / pack / graphs / pack+graphs /
+#          torch.compile / reduce-overhead side by side (issues 6, 7, 8), then renders the report of
+#          the Llama prefill build. Knobs: PACK_BUDGET (24), PACK_TIME (seconds before no new recipe
+#          starts, 420), PACK_RECIPES.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -33,21 +37,24 @@ stage() {
 }
 
 REFERENCE="llama-1b-prefill qwen2-0.5b-prefill gpt2 vit-base resnet-50 llama-1b-decode"
-stages=${*:-tests profile evaluate templates search dispatch packs graphs fusion}
+stages=${*:-tests profile evaluate templates search dispatch packs}
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee -a "$OUT/summary.txt"
 python3 -c 'import torch, transformers; print("torch", torch.__version__, "cuda", torch.version.cuda, "transformers", transformers.__version__)' | tee -a "$OUT/summary.txt"
 
 for s in $stages; do
   case $s in
-    tests)     stage tests python3 -m pytest -m gpu -q -p no:cacheprovider ;;
+    tests)     stage tests python3 -m pytest -m gpu -q -p no:cacheprovider -rfE ;;
     profile)   stage profile python3 tools/bench_profile.py $REFERENCE ;;
     evaluate)  stage evaluate python3 tools/bench_evaluate.py ;;
     templates) stage templates python3 tools/bench_templates.py ;;
     search)    stage search python3 tools/bench_search.py ;;
     dispatch)  stage dispatch python3 tools/bench_dispatch.py ;;
-    packs)     stage packs python3 tools/bench_packs.py $REFERENCE ;;
+    packs)     stage packs python3 tools/bench_packs.py ${PACK_RECIPES:-$REFERENCE} --budget "${PACK_BUDGET:-24}" \
+                 --heavy llama-1b-prefill,llama-1b-decode,gpt2,resnet-50 --time-limit "${PACK_TIME:-420}" \
+                 --workdir /tmp/forgepack-packs
+               stage report python3 -m forgepack report /tmp/forgepack-packs/llama-1b-prefill \
+                 --out "$OUT/results/report-llama-1b-prefill.html" ;;
     graphs)    stage graphs python3 tools/bench_graphs.py ;;
-    fusion)    stage fusion python3 tools/bench_fusion.py ;;
     *) echo "unknown stage $s" | tee -a "$OUT/summary.txt" ;;
   esac
 done

@@ -25,7 +25,7 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from forgepack.cli.common import console, out, resolve
+from forgepack.cli.common import console, out, resolve, workspace_for
 from forgepack.errors import ForgepackError, UsageError
 
 
@@ -72,13 +72,41 @@ def _pack(ctx: BenchContext, col: Column) -> Callable[[], Any]:
     return ctx.lm.run
 
 
-def _compiled(ctx: BenchContext, col: Column) -> Callable[[], Any]:
+def _graphed(ctx: BenchContext, col: Column, with_pack: bool) -> Callable[[], Any]:
+    """The forward replayed from CUDA graphs (one per input signature), with or without the pack.
+
+    The graphed forward is built once and kept across rounds, so rounds time replays, not captures.
+    """
+    import torch
+
+    if ctx.lm.device.type != "cuda":
+        raise Skip("CUDA graphs need a GPU")
+    if with_pack:
+        _pack(ctx, col)  # the pack's kernels are switched on around each round, and inside the graph
+        graphs = importlib.import_module(f"{ctx.pack.__name__}.graphs")
+    else:
+        from forgepack.pack.runtime import graphs
+    lm = ctx.lm
+    graphed = graphs.GraphedForward(graphs.eager_forward(lm.model))
+    col.note = "CUDA graph replay" + (" with the pack's kernels" if with_pack else " of stock kernels")
+
+    def run() -> Any:
+        with torch.no_grad():
+            result = graphed(**lm.inputs)
+        lm.reset()
+        return result
+
+    ctx.extras.setdefault("graph_stats", {})[col.name] = graphed.stats
+    return run
+
+
+def _compiled(ctx: BenchContext, col: Column, mode: str | None = None) -> Callable[[], Any]:
     import torch
 
     lm = ctx.lm
-    compiled = torch.compile(lm.model, backend=ctx.compile_backend, mode=ctx.compile_mode)
-    col.note = f"torch.compile(backend={ctx.compile_backend!r}" + (f", mode={ctx.compile_mode!r})" if ctx.compile_mode
-                                                                   else ")")
+    mode = mode or ctx.compile_mode
+    compiled = torch.compile(lm.model, backend=ctx.compile_backend, mode=mode)
+    col.note = f"torch.compile(backend={ctx.compile_backend!r}" + (f", mode={mode!r})" if mode else ")")
 
     def run() -> Any:
         with torch.no_grad():
@@ -93,7 +121,10 @@ def _compiled(ctx: BenchContext, col: Column) -> Callable[[], Any]:
 COLUMNS: dict[str, Callable[[BenchContext, Column], Callable[[], Any]]] = {
     "eager": _eager,
     "pack": _pack,
+    "graphs": lambda ctx, col: _graphed(ctx, col, with_pack=False),
+    "pack+graphs": lambda ctx, col: _graphed(ctx, col, with_pack=True),
     "compile": _compiled,
+    "compile-ro": lambda ctx, col: _compiled(ctx, col, "reduce-overhead"),
 }
 
 
@@ -109,17 +140,18 @@ def bench_command(
     dtype: Annotated[str | None, typer.Option(help="float32, float16 or bfloat16")] = None,
     batch: Annotated[int | None, typer.Option(help="batch size")] = None,
     seq_len: Annotated[int | None, typer.Option("--seq-len", help="sequence length")] = None,
+    workspace: Annotated[str | None, typer.Option(help="where bench.json goes (default .forgepack/<slug>)")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print JSON for machines")] = False,
 ) -> None:
-    """Time the model eagerly, with the pack, and under torch.compile, interleaved in one run."""
+    """Time the model eagerly, with the pack, with CUDA graphs and under torch.compile, interleaved in one run."""
     names = [c.strip() for c in columns.split(",") if c.strip()]
     unknown = [n for n in names if n not in COLUMNS]
     if unknown or not names:
         raise UsageError(f"unknown column {unknown[0] if unknown else '(none)'}: choose from {', '.join(COLUMNS)}")
     if rounds < 1 or reps < 1:
         raise UsageError("--rounds and --reps must be at least 1")
-    if "pack" in names and not pack:
-        raise UsageError("the pack column needs --pack <wheel>")
+    if any("pack" in n for n in names) and not pack:
+        raise UsageError("the pack columns need --pack <wheel>")
     recipe = resolve(model, target=target, dtype=dtype, batch=batch, seq_len=seq_len)
     from forgepack import models
 
@@ -129,6 +161,9 @@ def bench_command(
         result = run_bench(BenchContext(lm, module, compile_backend, compile_mode), names, rounds, reps)
     result = {"recipe": recipe.name, "device": str(lm.device), "dtype": recipe.workload.dtype,
               "pack": str(pack) if pack else None, **result}
+    ws = workspace_for(recipe, workspace)
+    ws.root.mkdir(parents=True, exist_ok=True)
+    ws.write_json("bench.json", result)  # the report's "eager vs pack vs torch.compile" section
     if as_json:
         out.print_json(json.dumps(result))
         return
@@ -188,9 +223,11 @@ def run_bench(ctx: BenchContext, names: list[str], rounds: int, reps: int, seed:
             entry["speedup"] = statistics.median(ratios)
             entry["speedup_range"] = [min(ratios), max(ratios)]
         result["columns"][name] = entry
-    if ctx.pack is not None and "pack" in cols:
+    if ctx.pack is not None and ("pack" in cols or "pack+graphs" in cols):
         hits = {vid: s["hits"] for vid, s in ctx.pack.stats().items()}
         result["pack_hits"] = hits
+    for name, stats in ctx.extras.get("graph_stats", {}).items():
+        result["columns"][name]["graphs"] = stats()
     return result
 
 

@@ -360,9 +360,17 @@ def _build(workspace: Workspace, recipe: Recipe, margin: float, gate: bool, out_
 def finalize(root: Path, manifest: Manifest, gate: str, ratios: dict[str, float], summary: dict) -> Manifest:
     """Record the gate's outcome in the staged manifest (the manifest is not among the digested files)."""
     variants = tuple(dataclasses.replace(v, e2e_ratio=ratios.get(v.id)) for v in manifest.variants)
-    final = dataclasses.replace(manifest, gate=gate, variants=variants, gate_summary=_drop_none(summary))
+    graphs = summary.get("graphs") or _no_graphs(manifest)
+    rest = {k: v for k, v in summary.items() if k != "graphs"}
+    final = dataclasses.replace(manifest, gate=gate, variants=variants, gate_summary=_drop_none(rest), graphs=graphs)
     (root / manifest.name / manifest_mod.FILE).write_text(manifest_mod.dumps(final))
     return final
+
+
+def _no_graphs(manifest: Manifest) -> dict[str, Any]:
+    if manifest.target != "cuda":
+        return {"enabled": False, "reason": "cpu target: CUDA graphs need a GPU"}
+    return {}
 
 
 def _finish(ws: Workspace, recipe: Recipe, wheel: Path | None, manifest: Manifest | None,

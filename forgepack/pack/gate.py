@@ -192,6 +192,21 @@ def check_correct(lm, pack, ids: set[str] | None, input_sets: list[dict], tokens
     return ok, note
 
 
+def check_graphs(lm, pack, ids: set[str]) -> dict[str, Any]:
+    """Graph mode's verdict for the manifest: with the kept kernels active, the forward replayed from a
+    CUDA graph must match eager on fresh inputs (a host sync or data-dependent control flow fails)."""
+    graphs = importlib.import_module(f"{pack.__name__}.graphs")
+    pack.activate(strict=True)
+    pack.enable_only(ids)
+    try:
+        ok, reason = graphs.verify_replay(lm.model, lambda step: lm.make_inputs(seed=100 + step))
+    except Exception as err:  # a verdict to record, not a failed build
+        ok, reason = False, f"{type(err).__name__}: {(str(err).splitlines() or [''])[0]}"
+    finally:
+        pack.deactivate()
+    return {"enabled": bool(ok), "reason": reason}
+
+
 def count_hits(lm, pack, ids: list[str]) -> dict[str, int]:
     pack.activate(strict=True)
     pack.enable_only(set(ids))
@@ -262,6 +277,8 @@ def evaluate(lm, pack, mode: str, rounds: int = ROUNDS, reps: int = REPS) -> Gat
         ratio, low, high = final.ratio("stock", "pack")
         summary = {"stock_ms": final.median("stock"), "pack_ms": final.median("pack"), "speedup": ratio,
                    "ci": [low, high], "rounds": rounds, "reps": reps}
+        if lm.device.type == "cuda":
+            summary["graphs"] = check_graphs(lm, pack, set(keep))
     pack.deactivate()
     return GateOutcome(tuple(keep), dropped, hits, ratios, outputs, summary)
 

@@ -100,6 +100,7 @@ class Manifest:
     provenance: Provenance = field(default_factory=lambda: Provenance("", ""))
     gate_summary: dict[str, Any] = field(default_factory=dict)  # stock/pack model time, speed-up
     align_bytes: int = 16
+    graphs: dict[str, Any] = field(default_factory=dict)  # graph mode: {"enabled": bool, "reason": str}
 
     def file(self, path: str) -> PackFile | None:
         return next((f for f in self.files if f.path == path), None)
@@ -152,6 +153,7 @@ def to_dict(m: Manifest) -> dict[str, Any]:
         "shim": {"namespace": m.namespace, "library": m.shim, "source": m.shim_source},
         "provenance": dataclasses.asdict(m.provenance),
         "gate_summary": m.gate_summary,
+        "graphs": m.graphs,
         "variants": variants,
         "files": [dataclasses.asdict(f) for f in m.files],
     })
@@ -210,6 +212,7 @@ def from_dict(d: dict[str, Any]) -> Manifest:
         provenance=Provenance(**prov),
         gate_summary=d.get("gate_summary", {}),
         align_bytes=build.get("align_bytes", 16),
+        graphs=d.get("graphs", {}),
     )
 
 

@@ -2,6 +2,7 @@
 
     import forgepack_pack_<name> as pack
     pack.activate()              # one line in serving code; idempotent
+    pack.activate(graphs=True)   # also replay the model's forward from CUDA graphs (see graphs.py)
     with pack.active(): ...      # or only inside a block
     pack.stats()                 # hits, misses and kernel errors per variant
     pack.deactivate()            # the stock kernels again, exactly
@@ -36,7 +37,8 @@ import torch
 HERE = Path(__file__).resolve().parent
 _LOG = logging.getLogger(__name__)
 _LOCK = threading.RLock()
-_STATE: dict[str, Any] = {"manifest": None, "verified": False, "loaded": False, "active": False}
+_STATE: dict[str, Any] = {"manifest": None, "verified": False, "loaded": False, "active": False,
+                          "graphs": False, "generation": 0}
 
 
 class PackError(RuntimeError):
@@ -138,26 +140,61 @@ def _disabled() -> bool:
     return os.environ.get("FORGEPACK_DISABLE", "").strip().lower() not in ("", "0", "false", "no")
 
 
-def activate(strict: bool = False) -> bool:
+def activate(strict: bool = False, graphs: bool = False, model: Any = None, **graph_options: Any) -> bool:
     """Install the pack's guarded kernels; True when active. Idempotent.
 
     Where the pack does not apply (torch/CUDA version, GPU arch, a file that fails its digest) it
     warns and returns False, so the caller keeps running on stock PyTorch; `strict=True` raises
     `PackError` instead.
+
+    `graphs=True` also replays the model's forward from CUDA graphs, one per input signature, with the
+    pack's kernels inside (`graphs.GraphedForward`; `graph_options` are its options): for `model` if
+    given, else for every instance of the model class the pack was built for. Where the build found
+    the forward unsafe to capture, the manifest says why and graph mode stays off (one warning).
     """
     with _LOCK:
         if _disabled():
             _LOG.warning("%s: FORGEPACK_DISABLE is set; not activating (stock PyTorch runs)", __name__)
             return False
-        if _STATE["active"]:
-            return True
         try:
-            return _activate(strict)
+            ok = _STATE["active"] or _activate(strict)
+            if ok and graphs:
+                _enable_graphs(model, graph_options)
+            return ok
         except PackError:
             raise
         except Exception as err:  # a pack must never break the process it was imported into
             first = (str(err).splitlines() or [""])[0]
             return _refuse(f"could not activate ({type(err).__name__}: {first})", strict, depth=3)
+
+
+def _model_class() -> type | None:
+    name = manifest().get("model", {}).get("arch")
+    if not name:
+        return None
+    import transformers
+
+    return getattr(transformers, name, None)
+
+
+def _enable_graphs(model: Any, options: dict[str, Any]) -> None:
+    from . import graphs as graphs_mod
+
+    verdict = manifest().get("graphs", {})
+    if verdict.get("enabled") is False:
+        warnings.warn(f"{__name__}: graph mode is off for this model: {verdict.get('reason', 'no reason given')}",
+                      RuntimeWarning, stacklevel=4)
+        return
+    target = model if model is not None else _model_class()
+    if target is None:
+        warnings.warn(f"{__name__}: graph mode needs activate(graphs=True, model=...) for this pack",
+                      RuntimeWarning, stacklevel=4)
+        return
+    # A graph replays the kernels it was captured with: a new generation after every (de)activation
+    # keys fresh graphs, so a stale one is never replayed.
+    options.setdefault("context_key", lambda: _STATE["generation"])
+    graphs_mod.enable(target, **options)
+    _STATE["graphs"] = True
 
 
 def _activate(strict: bool) -> bool:
@@ -176,6 +213,7 @@ def _activate(strict: bool) -> bool:
         return _refuse("the shim's variants are not the manifest's", strict)
     _ops().activate(str(HERE), devices)
     _STATE["active"] = True
+    _STATE["generation"] += 1
     _LOG.info("%s: active, %d kernels", __name__, len(variant_ids()))
     return True
 
@@ -183,9 +221,15 @@ def _activate(strict: bool) -> bool:
 def deactivate() -> None:
     """Remove the overrides: every op dispatches to the kernel it had before `activate()`."""
     with _LOCK:
+        if _STATE["graphs"]:
+            from . import graphs as graphs_mod
+
+            graphs_mod.disable_all()  # before the kernels go: a graph would replay them
+            _STATE["graphs"] = False
         if _STATE["loaded"]:
             _ops().deactivate()
         _STATE["active"] = False
+        _STATE["generation"] += 1
 
 
 def is_active() -> bool:
