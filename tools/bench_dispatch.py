@@ -272,7 +272,7 @@ def main() -> int:
         print("no CUDA GPU here; use --device cpu for a smoke run", file=sys.stderr)
         return 2
     device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
-    out = Path(os.environ.get("OUT", "benchmarks/out"))
+    out = Path(os.environ.get("OUT", "benchmarks/out")) / "results"
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         pack_dir, loops_lib, kernel = build(Path(tmp), device)

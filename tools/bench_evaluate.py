@@ -238,7 +238,7 @@ def main() -> None:
     table = tabulate(rows, headers=[f"{len(cands)} candidates, {args.target} on {machine}", "value"],
                      tablefmt="github")
     print(table)
-    out = Path(os.environ.get("OUT") or "benchmarks/out")
+    out = Path(os.environ.get("OUT") or "benchmarks/out") / "results"
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench_evaluate.json").write_text(json.dumps(result, indent=1) + "\n")
     (out / "bench_evaluate.md").write_text(

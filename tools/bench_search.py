@@ -17,8 +17,10 @@ budget went, not timing noise; the second arm's wall time is then shorter, and t
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import sys
+import tempfile
 import time
 from concurrent.futures import Future
 from pathlib import Path
@@ -148,7 +150,7 @@ def main() -> int:
     parser.add_argument("--no-share-verdicts", action="store_true", help="evaluate every candidate in both arms")
     parser.add_argument("--keep", action="store_true", help="keep the workspaces (printed at the end)")
     args = parser.parse_args()
-    root = Path(benchlib.out_dir().parent / "search-work")
+    root = Path(os.environ.get("FORGEPACK_HOME", tempfile.gettempdir())) / "search-work"  # not in $OUT: big
     info = benchlib.meta()
     started = time.monotonic()
     results, md = [], benchlib.header_md("Search: allocator vs uniform split", info)

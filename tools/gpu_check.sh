@@ -27,11 +27,13 @@ if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/site"
 fi
 
+# stage NAME SECONDS CMD...: each stage has its own time limit, so one slow stage cannot cost the
+# others their turn (the device call has a hard limit, and the results bundle is made at the end).
 stage() {
-  local name=$1; shift
+  local name=$1 limit=$2; shift 2
   local start=$SECONDS
-  echo "=== $name: $*"
-  "$@" 2>&1 | tee "$OUT/results/$name.log"
+  echo "=== $name (limit ${limit}s): $*"
+  timeout -k 10 "$limit" "$@" 2>&1 | tee "$OUT/results/$name.log"
   local rc=${PIPESTATUS[0]}
   echo "=== $name: rc=$rc in $((SECONDS - start)) s" | tee -a "$OUT/summary.txt"
 }
@@ -43,18 +45,19 @@ python3 -c 'import torch, transformers; print("torch", torch.__version__, "cuda"
 
 for s in $stages; do
   case $s in
-    tests)     stage tests python3 -m pytest -m gpu -q -p no:cacheprovider -rfE ;;
-    profile)   stage profile python3 tools/bench_profile.py $REFERENCE ;;
-    evaluate)  stage evaluate python3 tools/bench_evaluate.py ;;
-    templates) stage templates python3 tools/bench_templates.py ;;
-    search)    stage search python3 tools/bench_search.py ;;
-    dispatch)  stage dispatch python3 tools/bench_dispatch.py ;;
-    packs)     stage packs python3 tools/bench_packs.py ${PACK_RECIPES:-$REFERENCE} --budget "${PACK_BUDGET:-24}" \
-                 --heavy llama-1b-prefill,llama-1b-decode,gpt2,resnet-50 --time-limit "${PACK_TIME:-420}" \
-                 --workdir /tmp/forgepack-packs
-               stage report python3 -m forgepack report /tmp/forgepack-packs/llama-1b-prefill \
+    tests)     stage tests "${TESTS_TIME:-300}" python3 -m pytest -m gpu -q -p no:cacheprovider -rfE --timeout 150 \
+                 ${GPU_TESTS:-tests} ;;
+    profile)   stage profile "${PROFILE_TIME:-150}" python3 tools/bench_profile.py $REFERENCE ;;
+    evaluate)  stage evaluate 90 python3 tools/bench_evaluate.py ;;
+    templates) stage templates "${TEMPLATES_TIME:-200}" python3 tools/bench_templates.py --budget-s "${TEMPLATES_SEARCH_S:-120}" ;;
+    search)    stage search "${SEARCH_TIME:-300}" python3 tools/bench_search.py ${SEARCH_ARGS:-} ;;
+    dispatch)  stage dispatch 60 python3 tools/bench_dispatch.py ;;
+    packs)     stage packs "$(( ${PACK_TIME:-300} + 200 ))" python3 tools/bench_packs.py ${PACK_RECIPES:-$REFERENCE} \
+                 --budget "${PACK_BUDGET:-24}" --heavy llama-1b-prefill,llama-1b-decode,gpt2,resnet-50 \
+                 --time-limit "${PACK_TIME:-300}" --workdir /tmp/forgepack-packs
+               stage report 60 python3 -m forgepack report /tmp/forgepack-packs/llama-1b-prefill \
                  --out "$OUT/results/report-llama-1b-prefill.html" ;;
-    graphs)    stage graphs python3 tools/bench_graphs.py ;;
+    graphs)    stage graphs "${GRAPHS_TIME:-300}" python3 tools/bench_graphs.py ;;
     *) echo "unknown stage $s" | tee -a "$OUT/summary.txt" ;;
   esac
 done
