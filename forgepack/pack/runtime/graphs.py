@@ -542,6 +542,25 @@ def shared_pool(device: torch.device | None = None) -> GraphPool:
         return _POOLS[index]
 
 
+_FAILED: list = []
+
+
+def heal_capture_state(device: torch.device) -> None:
+    """Undo what a failed capture leaves behind in PyTorch (seen on torch 2.11, and reported widely).
+
+    When a capture fails, `capture_end` raises before PyTorch's CUDA generator leaves capture mode, and
+    every later random op in the process fails with "Offset increment outside graph capture encountered
+    unexpectedly". An empty capture, begun and ended cleanly, takes the generator through its prologue
+    and epilogue again and resets it; the caller's process keeps working.
+    """
+    with contextlib.suppress(Exception), torch.cuda.device(device):
+        torch.cuda.synchronize(device)
+        empty = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(torch.cuda.Stream(device)):
+            empty.capture_begin()
+            empty.capture_end()
+
+
 class _CudaBackend:
     """Real CUDA graphs."""
 
@@ -575,8 +594,15 @@ class _CudaBackend:
                 with contextlib.suppress(Exception), warnings.catch_warnings():
                     warnings.simplefilter("ignore")  # the caller gets one warning, ours
                     graph.capture_end()
+                _FAILED.append(graph)  # never destroyed: its pool bookkeeping is inconsistent after a failure
+                heal_capture_state(device)
                 raise
-            graph.capture_end()
+            try:
+                graph.capture_end()
+            except BaseException:
+                _FAILED.append(graph)
+                heal_capture_state(device)
+                raise
         grown = max(torch.cuda.memory_reserved(device) - reserved, torch.cuda.memory_allocated(device) - allocated)
         return _Captured(graph.replay, outputs, max(grown, 0), graph)
 
@@ -1352,7 +1378,10 @@ def decode_kwargs(model: Any, input_ids: torch.Tensor, cache: Any, position: int
     into its static buffer each step, so the replay writes the right slot)."""
     kwargs = {"input_ids": input_ids, cache_kwarg(model): cache, "use_cache": True}
     params = inspect.signature(eager_forward(model)).parameters
-    if "cache_position" in params and position is not None:
+    takes = "cache_position" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+    # transformers 5.17 reads the cache length back to the host when `cache_position` is missing (a sync
+    # that fails capture; seen on the H200); 5.2x ignores it. Always give it where it can be passed.
+    if takes and position is not None:
         steps = input_ids.shape[-1]
         kwargs["cache_position"] = torch.arange(position, position + steps, device=input_ids.device)
     return kwargs
