@@ -518,6 +518,14 @@ class GraphPool:
         self.stream = torch.cuda.Stream(self.device)
         self.lock = threading.RLock()
         self.last_stream: torch.cuda.Stream | None = None
+        # PyTorch frees a graph pool when the last graph using it is destroyed, and a later capture into
+        # the same handle then trips an internal assert (`use_count > 0`, seen on torch 2.11 once every
+        # graph of a first model was evicted). An empty graph kept for the pool's lifetime pins it.
+        self._keeper = torch.cuda.CUDAGraph()
+        with torch.cuda.device(self.device), torch.cuda.stream(self.stream), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "the CUDA graph is empty"
+            self._keeper.capture_begin(pool=self.handle)
+            self._keeper.capture_end()
 
     def enter(self) -> torch.cuda.Stream:
         """Order this replay after the pool's previous one; returns the stream it runs on."""
@@ -553,12 +561,15 @@ def heal_capture_state(device: torch.device) -> None:
     unexpectedly". An empty capture, begun and ended cleanly, takes the generator through its prologue
     and epilogue again and resets it; the caller's process keeps working.
     """
-    with contextlib.suppress(Exception), torch.cuda.device(device):
-        torch.cuda.synchronize(device)
-        empty = torch.cuda.CUDAGraph()
+    with contextlib.suppress(Exception), torch.cuda.device(device), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        scratch = torch.empty(1, device=device)
+        healer = torch.cuda.CUDAGraph()
         with torch.cuda.stream(torch.cuda.Stream(device)):
-            empty.capture_begin()
-            empty.capture_end()
+            healer.capture_begin()
+            scratch.uniform_()  # a random op inside a clean capture: the generator goes in and out again
+            healer.capture_end()
+        _FAILED.append(healer)
 
 
 class _CudaBackend:
