@@ -6,6 +6,7 @@ the verifier, the profiler and the pack's self-test decode them to call `torch.o
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -96,9 +97,23 @@ def _decode_arg(a: Arg, schema_arg: Any, feed, device: torch.device) -> Any:
 
 
 def run_stock(card: Card, tensors: list[torch.Tensor | None], device: torch.device | str) -> list[torch.Tensor]:
-    """Call the stock aten op; outputs as a flat list of tensors (ABI output order)."""
+    """Call the stock aten op; outputs as a flat list of tensors (ABI output order). A fusion card's
+    stock is its chain of aten calls, replayed (`forgepack.fusion.run_chain`)."""
+    return stock_call(card, tensors, device)()
+
+
+def stock_call(card: Card, tensors: list[torch.Tensor | None], device: torch.device | str
+               ) -> Callable[[], list[torch.Tensor]]:
+    """A zero-argument callable running the card's stock computation on these inputs (arguments decoded
+    once, outside the call: for timing); it returns the outputs as `run_stock` does."""
+    if card.kind == "fusion":
+        from forgepack import fusion  # lazily: fusion imports this module
+
+        plan = fusion.chain_plan(card, torch.device(device))
+        return lambda: plan(tensors)
     args, kwargs = call_args(card, tensors, device)
-    return flatten_outputs(resolve(card.op)(*args, **kwargs))
+    func = resolve(card.op)
+    return lambda: flatten_outputs(func(*args, **kwargs))
 
 
 def flatten_outputs(result: Any) -> list[torch.Tensor]:

@@ -193,7 +193,10 @@ def run_profile(recipe: Recipe, workspace: Workspace, progress: Callable[[str, i
         lm.run()  # warm-up: lazy initialisation (caches, kernels) is not the model's work
         note("end to end", 0, 1)
         e2e_ms = end_to_end(lm, 30 if lm.device.type == "cuda" else 10)
-        cap = capture_mod.capture(lm.model, lm.forward)  # the forward alone: resetting the cache is not its work
+        from forgepack import fusion  # lazily: fusion imports this module
+
+        # the forward alone: resetting the cache is not its work; hot free functions recorded for fusion
+        cap = capture_mod.capture(lm.model, lm.forward, functions=fusion.function_sites(lm.model))
         lm.reset()
     facts = devices.facts(lm.device)
     profiled = []
@@ -201,6 +204,15 @@ def run_profile(recipe: Recipe, workspace: Workspace, progress: Callable[[str, i
         note(f"timing {card.op_name}", i, len(cap.cards))
         profiled.append(card.with_profile(measure_card(card, cap.samples[card.id], lm.device, facts)))
     cards = _with_shares(profiled)
+
+    def forward_once():
+        out = lm.forward()
+        lm.reset()
+        return out
+
+    with models.quiet_transformers():
+        fused = fusion.build(lm.model, forward_once, cap, lm.device, facts, cards)
+    cap.samples.update(fused.samples)
     kernel_ms = kernel_time_ms(lm) if lm.device.type == "cuda" else None
     busy = min(1.0, kernel_ms / e2e_ms) if kernel_ms is not None else None
     op_ms = sum(c.profile.total_us for c in cards) / 1e3
@@ -219,7 +231,7 @@ def run_profile(recipe: Recipe, workspace: Workspace, progress: Callable[[str, i
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         recipe_fingerprint=recipe_fingerprint(recipe),
     )
-    return result, _write(workspace, recipe, result, cards, cap)
+    return result, _write(workspace, recipe, result, cards + fused.cards, cap)
 
 
 def _write(workspace: Workspace, recipe: Recipe, result: ModelProfile, cards: list[Card], cap) -> list[Card]:

@@ -576,12 +576,11 @@ def bench(card: Card, fn, samples_path: Path | None, device: torch.device | str,
         sets = samples_mod.load_samples(card, Path(samples_path), device) if have else []
         label = "captured sample 0" if sets else f"fresh input (seed {seed})"
         s = h.prepare(label, sets[0][0] if sets else samples_mod.fresh_inputs(card, seed, device))
-        args, kwargs = opcall.call_args(card, [None if g is None else g.view for g in s.inputs], device)
-        op = opcall.resolve(card.op)
+        stock_call = opcall.stock_call(card, [None if g is None else g.view for g in s.inputs], device)
         call = h.call(s.inputs, [poisoned_output(m, device, 0) for m in card.outputs])
 
         def stock() -> None:
-            op(*args, **kwargs)
+            stock_call()
 
         def kernel() -> None:
             rc = call()

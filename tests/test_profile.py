@@ -23,9 +23,10 @@ def tiny_profile(tmp_path_factory):
 
 def test_shares_sum_to_one_and_cards_round_trip(tiny_profile):
     r, ws, result, cards = tiny_profile
-    assert abs(sum(c.profile.share for c in cards) - 1.0) < 1e-9
-    assert result.aten_calls == sum(c.calls for c in cards)
-    assert result.e2e_ms > 0 and result.variants == len(cards)
+    ops = [c for c in cards if c.kind == "op"]  # fusion cards' shares overlap the ops they replace
+    assert abs(sum(c.profile.share for c in ops) - 1.0) < 1e-9
+    assert result.aten_calls == sum(c.calls for c in ops)
+    assert result.e2e_ms > 0 and result.variants == len(ops)
     loaded = {c.id: c for c in ws.load_cards()}
     for c in cards:
         assert loaded[c.id].profile == c.profile and loaded[c.id].op == c.op

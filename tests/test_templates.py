@@ -128,6 +128,8 @@ REQUIRED_OPS = {
     "norm": ["aten.native_group_norm.default", "aten.native_batch_norm.default",
              "aten._native_batch_norm_legit_no_training.default", "aten.cudnn_batch_norm.default"],
     "pool": ["aten._adaptive_avg_pool2d.default", "aten.max_pool2d_with_indices.default"],
+    "fused": ["fusion.rmsnorm.default", "fusion.rotary.default", "fusion.gated_act.default",
+              "fusion.bn_act.default", "fusion.add_act.default", "fusion.gelu_tanh.default"],
 }
 
 

@@ -2,12 +2,13 @@
 
 For each recipe (the six reference recipes by default), in one run:
 1. Build: capture the model with its dataflow and free functions, find the fusion cards
-   (`forgepack.fusion`), render every fused template that serves each card (default parameters),
-   compile them in parallel, verify each through the real evaluator (`Evaluator("cuda")`, worker
-   subprocess, captured and fresh inputs, bench=False), time the verified ones against the chain they
-   replace, keep the fastest per card; then stage all kept kernels of all recipes as one package
-   directory (`forgepack.pack.fusedgen.stage`: one compiled `fused` op) and load it with the pack
-   runtime (`runtime/modules.PackModules`), exactly as a pack does.
+   (`forgepack.fusion`), render the preferred fused template that serves each card (default
+   parameters; the next one where it fails; all of them with `--all-templates`), compile in parallel,
+   verify each through the real evaluator (`Evaluator("cuda")`, worker subprocess, captured and fresh
+   inputs, bench=False), time the verified ones against the chain they replace, keep the fastest;
+   then stage all kept kernels of all recipes as one package directory (`forgepack.pack.fusedgen.stage`:
+   one compiled `fused` op) and load it with the pack runtime (`runtime/modules.PackModules`),
+   exactly as a pack does.
 2. Measure, rounds interleaved (rotating order), every call timed alone with device events, the GPU
    idle before it (launch overhead counts, as it does for a caller):
    - `eager`: the forward as it is;
@@ -107,32 +108,43 @@ def find_cards(b: Built) -> None:
     b.cards, b.samples, b.dropped = checked.cards, checked.samples, checked.dropped
 
 
-def build_kernels(built: list[Built], target: str, folder: Path, workers: int, note) -> None:
-    """Render, compile (in parallel), verify (the real evaluator), time and pick one kernel per card."""
-    jobs = []
+# Which template to try first for a card several serve: the vectorised ones before index math.
+PREFERENCE = ("fused.rows", "fused.pointwise", "fused.indexed")
+
+
+def build_kernels(built: list[Built], target: str, folder: Path, workers: int, every: bool, note) -> None:
+    """Render, compile (in parallel), verify (the real evaluator), time and pick one kernel per card.
+    Templates are tried in `PREFERENCE` order, the next only for cards whose last one failed (all of
+    them with `every`)."""
+    cards = []
     for b in built:
         for card in b.cards:
             path = folder / f"{card.id}.safetensors"
             card = dataclasses.replace(card, samples=samples.save_samples(path, b.samples[card.id]))
-            for t in fused.TEMPLATES:
-                if t.supports(card, target) is None:
-                    jobs.append((b, card, path, t, t.render(card, target, t.default(card, target))))
-    note(f"compiling {len(jobs)} fused kernels for {sum(len(b.cards) for b in built)} cards")
-    with ThreadPoolExecutor(workers) as pool:
-        compiled = list(pool.map(lambda j: compile_kernel(j[4], target), jobs))
-    note("verifying")
+            served = sorted((t for t in fused.TEMPLATES if t.supports(card, target) is None),
+                            key=lambda t: PREFERENCE.index(t.name) if t.name in PREFERENCE else len(PREFERENCE))
+            cards.append((b, card, path, served))
     verified: dict[str, list] = {}
-    with Evaluator(target, timeout_s=120) as ev:
-        for (b, card, path, t, source), result in zip(jobs, compiled, strict=True):
-            v = ev.evaluate_compiled(card, result, source, samples_path=path, bench=False)
-            row = {"recipe": b.name, "card": card.id, "pattern": card.fusion["pattern"], "calls": card.calls,
-                   "launches": card.fusion["launches"], "template": t.name, "verdict": v.category or "verified",
-                   "reason": "" if v.accepted else v.reason[:160]}
-            b.kernels.append(row)
-            if v.accepted:
-                src = folder / f"{card.id}.{t.name}{'.cu' if target == 'cuda' else '.cpp'}"
-                src.write_text(source)
-                verified.setdefault(card.id, []).append((b, card, path, Path(result.binary), src, row))
+    with Evaluator(target, timeout_s=120) as ev:  # its worker starts now, while the kernels compile
+        for rank in range(len(PREFERENCE)):
+            jobs = [(b, card, path, served[rank], served[rank].render(card, target, served[rank].default(card, target)))
+                    for b, card, path, served in cards if rank < len(served) and (every or card.id not in verified)]
+            if not jobs:
+                break
+            note(f"compiling {len(jobs)} fused kernels (template choice {rank + 1})")
+            with ThreadPoolExecutor(workers) as pool:
+                compiled = list(pool.map(lambda j: compile_kernel(j[4], target), jobs))
+            note("verifying")
+            for (b, card, path, t, source), result in zip(jobs, compiled, strict=True):
+                v = ev.evaluate_compiled(card, result, source, samples_path=path, bench=False)
+                row = {"recipe": b.name, "card": card.id, "pattern": card.fusion["pattern"], "calls": card.calls,
+                       "launches": card.fusion["launches"], "template": t.name,
+                       "verdict": v.category or "verified", "reason": "" if v.accepted else v.reason[:160]}
+                b.kernels.append(row)
+                if v.accepted:
+                    src = folder / f"{card.id}.{t.name}{'.cu' if target == 'cuda' else '.cpp'}"
+                    src.write_text(source)
+                    verified.setdefault(card.id, []).append((b, card, path, Path(result.binary), src, row))
     note("timing verified kernels against their chains")
     for options in verified.values():
         b, card = options[0][0], options[0][1]
@@ -232,7 +244,8 @@ def measure(b: Built, pm, pack, args, deadline: float, left: int, compile_cost: 
     lm = b.lm
     rewind = rewinder(lm)
     guess = statistics.median(compile_cost) if compile_cost else COMPILE_GUESS_S
-    with_compile = not args.no_compile and deadline - time.perf_counter() - RESERVE_S * left > guess
+    forced = b.name in args.compile_always.split(",")
+    with_compile = not args.no_compile and (forced or deadline - time.perf_counter() - RESERVE_S * left > guess)
     with torch.no_grad():
         ref = lm.output_tensor(lm.forward()).float().clone()
         rewind()
@@ -350,6 +363,9 @@ def main() -> int:
     parser.add_argument("--budget-s", type=float, default=230.0, help="wall-clock budget; compile columns yield")
     parser.add_argument("--workers", type=int, default=16, help="parallel kernel compiles")
     parser.add_argument("--no-compile", action="store_true")
+    parser.add_argument("--all-templates", action="store_true", help="try every template per card, keep the fastest")
+    parser.add_argument("--compile-always", default="llama-1b-prefill,llama-1b-decode",
+                        help="recipes whose torch.compile column runs whatever the budget (the issue's target)")
     args = parser.parse_args()
     start = time.perf_counter()
     deadline = start + args.budget_s
@@ -378,7 +394,7 @@ def main() -> int:
     folder = Path(tempfile.mkdtemp(prefix="bench-fusion-"))
     pm = None
     try:
-        build_kernels(built, target, folder, args.workers, note)
+        build_kernels(built, target, folder, args.workers, args.all_templates, note)
         note("staging the fused op")
         pm = stage_all(built, target, folder)
     except Exception:

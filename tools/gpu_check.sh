@@ -6,7 +6,7 @@
 #   bash tools/gpu_check.sh                 # every stage
 #   bash tools/gpu_check.sh tests profile   # some stages, in this order
 #
-# Stages: tests graphtests profile evaluate templates search dispatch packs graphs
+# Stages: tests graphtests profile evaluate templates search dispatch packs fusion graphs
 #   packs: builds a pack per reference recipe and times eager / pack / graphs / pack+graphs /
 #          torch.compile / reduce-overhead side by side (issues 6, 7, 8), then renders the report of
 #          the Llama prefill build. Knobs: PACK_BUDGET (24), PACK_TIME (seconds before no new recipe
@@ -39,7 +39,7 @@ stage() {
 }
 
 REFERENCE="llama-1b-prefill qwen2-0.5b-prefill gpt2 vit-base resnet-50 llama-1b-decode"
-stages=${*:-tests graphtests profile evaluate templates search dispatch packs}
+stages=${*:-tests graphtests profile evaluate templates search dispatch packs fusion}
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee -a "$OUT/summary.txt"
 python3 -c 'import torch, transformers; print("torch", torch.__version__, "cuda", torch.version.cuda, "transformers", transformers.__version__)' | tee -a "$OUT/summary.txt"
 
@@ -60,6 +60,7 @@ for s in $stages; do
                stage report 60 python3 -m forgepack report /tmp/forgepack-packs/llama-1b-prefill \
                  --out "$OUT/results/report-llama-1b-prefill.html" ;;
     graphs)    stage graphs "${GRAPHS_TIME:-300}" python3 tools/bench_graphs.py ;;
+    fusion)    stage fusion "${FUSION_TIME:-300}" python3 tools/bench_fusion.py --budget-s "${FUSION_BUDGET_S:-230}" ;;
     *) echo "unknown stage $s" | tee -a "$OUT/summary.txt" ;;
   esac
 done

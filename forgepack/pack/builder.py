@@ -37,9 +37,9 @@ from forgepack import recipe as recipe_mod
 from forgepack.accepted import AcceptedKernel
 from forgepack.cards import Card
 from forgepack.errors import ForgepackError
+from forgepack.pack import fusedgen, shimgen
 from forgepack.pack import gate as gate_mod
 from forgepack.pack import manifest as manifest_mod
-from forgepack.pack import shimgen
 from forgepack.pack.manifest import Manifest, OutputTolerance, PackFile, PackVariant, Provenance
 from forgepack.recipe import Recipe
 from forgepack.workspace import Workspace
@@ -134,6 +134,8 @@ def _select_reason(ws, k: AcceptedKernel, card: Card | None, target: str, arch: 
         return f"speed-up {k.speedup:.3f}x is below the margin ({1.0 + margin:.3f}x)"
     if not k.binary or not (ws.root / k.binary).is_file():
         return f"the verified object {k.binary or '(none)'} is missing"
+    if card.kind == "fusion":
+        return fusedgen.unsupported_reason(card, target)
     return shimgen.unsupported_reason(card, target, includes)
 
 
@@ -207,21 +209,27 @@ def stage(ws: Workspace, recipe: Recipe, chosen: list[_Chosen], root: Path, vers
         (pkg / sub).mkdir(parents=True)
     for f in sorted(RUNTIME_DIR.glob("*.py")):  # the runtime: torch and the standard library only
         shutil.copyfile(f, pkg / f.name)
-    variants = [_variant(c) for c in chosen]
-    for c, v in zip(chosen, variants, strict=True):
+    ops = [c for c in chosen if c.card.kind != "fusion"]
+    fusions = [c for c in chosen if c.card.kind == "fusion"]
+    variants = [_variant(c) for c in ops]  # the manifest's variants: the operator shim's
+    for c, v in zip(ops, variants, strict=True):
         shutil.copyfile(ws.root / c.kernel.binary, pkg / v.kernel)  # the exact verified object
         source = ws.root / c.kernel.source
         if source.is_file():
             shutil.copyfile(source, pkg / v.source)
     target = recipe.target.device
     namespace = f"forgepack_{recipe.slug}"
-    code = shimgen.generate([shimgen.ShimVariant(c.card, v.kernel) for c, v in zip(chosen, variants, strict=True)],
-                            namespace, target, title=name)
-    (pkg / "sources" / "shim.cpp").write_text(code)
     for header in (shimgen.GUARD_HEADER, shimgen.ABI_HEADER):
         shutil.copyfile(header, pkg / "sources" / header.name)
     try:
-        shimgen.compile_shim(pkg / "sources" / "shim.cpp", pkg / SHIM_LIBRARY, [pkg / "sources"])
+        if ops:
+            code = shimgen.generate([shimgen.ShimVariant(c.card, v.kernel) for c, v in zip(ops, variants, strict=True)],
+                                    namespace, target, title=name)
+            (pkg / "sources" / "shim.cpp").write_text(code)
+            shimgen.compile_shim(pkg / "sources" / "shim.cpp", pkg / SHIM_LIBRARY, [pkg / "sources"])
+        if fusions:  # kernels/, sources/, shim/libforgepack_fused.so, modules.json (digested like the rest)
+            fusedgen.stage(pkg, [(c.card, ws.root / c.kernel.binary, ws.root / c.kernel.source) for c in fusions],
+                           namespace, target, title=name)
     except RuntimeError as err:
         raise ForgepackError(str(err).splitlines()[0] + " " + " | ".join(str(err).splitlines()[1:3])) from None
     files = tuple(PackFile(str(p.relative_to(pkg)), _sha256(p), p.stat().st_size)
@@ -258,7 +266,7 @@ import sys, setuptools
 name, version, plat, dist = sys.argv[1:5]
 setuptools.setup(
     name=name, version=version, packages=[name],
-    package_data={name: ["manifest.toml", "shim/*", "kernels/*", "sources/*"]},
+    package_data={name: ["manifest.toml", "modules.json", "shim/*", "kernels/*", "sources/*"]},
     install_requires=["torch", "tomli; python_version < '3.11'"], python_requires=">=3.10",
     description="forgepack kernel pack: verified kernels behind C++ guards for one model",
     script_args=["-q", "bdist_wheel", "--python-tag", "py3", "--plat-name", plat, "--dist-dir", dist],
@@ -269,7 +277,7 @@ setuptools.setup(
 def build_wheel(root: Path, manifest: Manifest, out_dir: Path) -> Path:
     """`bdist_wheel` of the staged package (setuptools, in a subprocess, offline); returns the wheel."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    dist = root / "dist"
+    dist = (root / "dist").resolve()  # setuptools runs with cwd=root: a relative path would point elsewhere
     shutil.rmtree(dist, ignore_errors=True)
     cmd = [sys.executable, "-c", _SETUP, manifest.name, manifest.version, manifest.platform, str(dist)]
     proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, check=False)

@@ -18,11 +18,12 @@ C++17 loops from the same programs: correct first, fast second.
 from __future__ import annotations
 
 from forgepack.cards import Card
-from forgepack.templates import elementwise, norm, pool, rowreduce
+from forgepack.templates import elementwise, fused, norm, pool, rowreduce
 from forgepack.templates.common import Template, on_device
 
-REGISTRY: tuple[Template, ...] = elementwise.TEMPLATES + rowreduce.TEMPLATES + norm.TEMPLATES + pool.TEMPLATES
-FAMILIES = ("elementwise", "rowreduce", "norm", "pool")
+REGISTRY: tuple[Template, ...] = (elementwise.TEMPLATES + rowreduce.TEMPLATES + norm.TEMPLATES + pool.TEMPLATES
+                                   + fused.TEMPLATES)
+FAMILIES = ("elementwise", "rowreduce", "norm", "pool", "fused")
 
 
 def templates_for(card: Card, target: str) -> list[Template]:

@@ -38,7 +38,7 @@ HERE = Path(__file__).resolve().parent
 _LOG = logging.getLogger(__name__)
 _LOCK = threading.RLock()
 _STATE: dict[str, Any] = {"manifest": None, "verified": False, "loaded": False, "active": False,
-                          "graphs": False, "generation": 0}
+                          "graphs": False, "generation": 0, "fused": None}
 
 
 class PackError(RuntimeError):
@@ -59,8 +59,22 @@ def manifest() -> dict[str, Any]:
     return _STATE["manifest"]
 
 
-def variant_ids() -> list[str]:
+def _op_ids() -> list[str]:
     return [v["id"] for v in manifest().get("variants", [])]
+
+
+def _fused():
+    """The pack's module patches (fused kernels for module-level chains), or None if it has none."""
+    if _STATE["fused"] is None:
+        from . import modules
+
+        _STATE["fused"] = modules.PackModules.read(HERE) or False
+    return _STATE["fused"] or None
+
+
+def variant_ids() -> list[str]:
+    fused = _fused()
+    return _op_ids() + (fused.variant_ids if fused else [])
 
 
 # --- may this pack run here? --------------------------------------------------------------------------
@@ -206,12 +220,17 @@ def _activate(strict: bool) -> bool:
         if bad:
             return _refuse(bad, strict)
         _STATE["verified"] = True
-    if not _STATE["loaded"]:
-        torch.ops.load_library(str(HERE / manifest()["shim"]["library"]))
-        _STATE["loaded"] = True
-    if list(_ops().variants()) != variant_ids():
-        return _refuse("the shim's variants are not the manifest's", strict)
-    _ops().activate(str(HERE), devices)
+    if _op_ids():
+        if not _STATE["loaded"]:
+            torch.ops.load_library(str(HERE / manifest()["shim"]["library"]))
+            _STATE["loaded"] = True
+        if list(_ops().variants()) != _op_ids():
+            return _refuse("the shim's variants are not the manifest's", strict)
+        _ops().activate(str(HERE), devices)
+    fused = _fused()
+    if fused:
+        for target, why in fused.activate(HERE, devices).items():
+            _LOG.info("%s: %s is not patched: %s", __name__, target, why)
     _STATE["active"] = True
     _STATE["generation"] += 1
     _LOG.info("%s: active, %d kernels", __name__, len(variant_ids()))
@@ -228,6 +247,8 @@ def deactivate() -> None:
             _STATE["graphs"] = False
         if _STATE["loaded"]:
             _ops().deactivate()
+        if _fused():
+            _fused().deactivate()
         _STATE["active"] = False
         _STATE["generation"] += 1
 
@@ -251,7 +272,7 @@ def active(strict: bool = False):
 def stats() -> dict[str, dict[str, Any]]:
     """Per variant: its op, `hits` (calls its kernel served), `misses` (calls of its op it did not
     serve), `errors` (calls its kernel refused, served by stock). Counters live as long as the process."""
-    ids = variant_ids()
+    ids = _op_ids()
     ops = list(dict.fromkeys(v["op"] for v in manifest().get("variants", [])))
     raw = list(_ops().stats()) if _STATE["loaded"] else [0] * (2 * len(ids) + len(ops))
     n = len(ids)
@@ -260,11 +281,17 @@ def stats() -> dict[str, dict[str, Any]]:
     for k, v in enumerate(manifest().get("variants", [])):
         hits, errors = raw[k], raw[n + k]
         out[v["id"]] = {"op": v["op"], "hits": hits, "misses": calls[v["op"]] - hits, "errors": errors}
+    if _fused():
+        out.update(_fused().stats())
     return out
 
 
 def enable_only(ids: set[str] | None) -> None:
     """Serve only these variants (None: all). For ablation in forgepack's end-to-end gate."""
-    if not _STATE["loaded"]:
+    fused = _fused()
+    if not _STATE["loaded"] and not (fused and fused.loaded):
         raise PackError(f"{__name__} is not loaded; activate() first")
-    _ops().set_enabled([1 if ids is None or i in ids else 0 for i in variant_ids()])
+    if _STATE["loaded"]:
+        _ops().set_enabled([1 if ids is None or i in ids else 0 for i in _op_ids()])
+    if fused:
+        fused.enable_only(ids)

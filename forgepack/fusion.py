@@ -1,0 +1,810 @@
+"""Fusion cards: module-level chains of non-vendor ops that one fused kernel can replace.
+
+The reference models are launch-bound: HF `LlamaRMSNorm` is eight launches (casts, pow, mean, add,
+rsqrt, two muls) 33 times a forward, `apply_rotary_pos_emb` fourteen per layer, GPT-2's tanh GELU
+eight. A fusion card stands for one such chain, so that it is profiled, searched, verified and packed
+like an operator card (same `Card` schema, `kind="fusion"`):
+
+- `op`: `fusion.<pattern>.default` (`rmsnorm`, `rotary`, `gated_act`, `bn_act`, `add_act`,
+  `gelu_tanh`, `softmax`, `layernorm`, or `chain` for any other);
+- `args`: the chain's external tensor inputs (the call's tensor arguments, then parameters or child
+  outputs) as tensor Args, in kernel input order, then `chain`, a digest of the chain (two chains of the
+  same shapes that compute different things are different cards);
+- `outputs`: what the chain returns; `chain`: the aten calls it replaces, each with its arguments,
+  tensor arguments as refs (``["in", i]``: input i; ``["t", p, k]``: output k of chain entry p) and the
+  metadata of its outputs; `fusion`: pattern, launch count, output refs, and the patch sites (for
+  `forgepack.pack.runtime.modules`: class or function, source digest, config facts, call form).
+
+Where chains come from (`find`): capture's per-call dataflow log (`forgepack.capture`) and its module
+call records. A *module* site is a leaf module whose whole forward is the chain (RMSNorm, GELU
+modules); a *function* site is a free function of a modeling file (`HOT_FUNCTIONS`, wrapped during
+capture); *glue* sites are chains between child modules of known structures (`modules.GLUE_INPUTS`).
+Chains with vendor ops (matmul, conv, attention), host syncs, random ops, fewer than two launches,
+side effects visible to the caller, or intermediates used after them are not fused.
+
+`check_and_sample` runs the model once more with the sites patched in observe mode: every call's
+chain is replayed (`run_chain`) and must equal what the module computed, bit for bit, and the first
+calls' inputs are kept as samples. `profile_cards` times each chain in isolation; its share is taken
+against the same total as the operator cards (the summed isolated time of every aten call), so the
+allocator can weigh it against them; the chain's calls are already inside that total.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import sys
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from forgepack import opcall
+from forgepack import samples as samples_mod
+from forgepack.capture import Capture, ModuleCall, fold_path
+from forgepack.cards import Arg, Card, Profile, TensorMeta
+from forgepack.pack.runtime import modules as rt
+
+HOT_FUNCTIONS = ("apply_rotary_pos_emb",)
+MIN_LAUNCHES = 2
+MAX_SITES_PER_CARD = 8
+VENDOR_OPS = frozenset({
+    "mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "_addmm_activation", "addmv", "mv", "dot",
+    "convolution", "_convolution", "cudnn_convolution", "mkldnn_convolution", "_slow_conv2d_forward",
+    "conv2d", "embedding_bag",
+})
+HOST_SYNC_OPS = frozenset({"_local_scalar_dense", "item", "nonzero", "unique", "_unique2", "masked_select",
+                           "equal", "is_nonzero"})
+NO_KERNEL_OPS = frozenset({"empty", "empty_like", "empty_strided"})
+
+
+# --- what an op is ------------------------------------------------------------------------------------
+
+
+def _base(op: str) -> str:
+    return op.split(".")[1]
+
+
+def _is_view(op: str) -> bool:
+    returns = opcall.resolve(op)._schema.returns
+    return bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
+
+
+def _writes(op: str) -> list[int]:
+    """Positions (in schema argument order) of the arguments the op writes in place."""
+    args = opcall.resolve(op)._schema.arguments
+    return [i for i, a in enumerate(args) if a.alias_info is not None and a.alias_info.is_write]
+
+
+def _refusal(op: str) -> str | None:
+    name = _base(op)
+    if not op.startswith("aten."):
+        return f"{op} is not an aten op"
+    if name in VENDOR_OPS or "scaled_dot_product" in name or "attention" in name:
+        return f"vendor op {name}"
+    if name in HOST_SYNC_OPS:
+        return f"host synchronisation ({name})"
+    func = opcall.resolve(op)
+    if torch.Tag.nondeterministic_seeded in func.tags:
+        return f"random op {name}"
+    return None
+
+
+def launches(chain: tuple[dict, ...] | list[dict]) -> int:
+    """Chain entries that launch a kernel (not views, not bare allocations)."""
+    return sum(1 for e in chain if not _is_view(e["op"]) and _base(e["op"]) not in NO_KERNEL_OPS)
+
+
+# --- candidates ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One occurrence of a fusible chain in the capture."""
+
+    calls: tuple[int, ...]  # indices into Capture.calls, in order
+    inputs: tuple[tuple, ...]  # global refs of the kernel inputs, in order
+    input_metas: tuple[TensorMeta, ...]
+    outputs: tuple[tuple, ...]  # global refs of the chain's outputs
+    site: dict  # kind, target, digest, facts, form (see modules.Site)
+    path: str  # module path (folded) or function path
+
+
+@dataclass(frozen=True)
+class Skipped:
+    path: str
+    reason: str
+
+
+def function_sites(model: torch.nn.Module) -> tuple[tuple[Any, str], ...]:
+    """(python module, name) of the hot free functions in the modeling files this model's classes use."""
+    found, seen = [], set()
+    for m in model.modules():
+        owner = sys.modules.get(type(m).__module__)
+        if owner is None or owner.__name__ in seen:
+            continue
+        seen.add(owner.__name__)
+        for name in HOT_FUNCTIONS:
+            if callable(getattr(owner, name, None)):
+                found.append((owner, name))
+    return tuple(found)
+
+
+class _Log:
+    """Indexes over a capture: who uses each ref, and each module call's direct children."""
+
+    def __init__(self, cap: Capture):
+        self.cap = cap
+        self.users: dict[tuple, list[int]] = {}
+        for i, rec in enumerate(cap.calls):
+            for ref in rec.inputs:
+                if ref is not None:
+                    self.users.setdefault(tuple(ref), []).append(i)
+        self.children: dict[int, list[int]] = {}
+        for k, mc in enumerate(cap.module_calls):
+            if mc.parent >= 0:
+                self.children.setdefault(mc.parent, []).append(k)
+
+    def meta_of(self, ref: tuple) -> TensorMeta | None:
+        """Metadata of a ref, from a call that produced or used it."""
+        if ref[0] == "call":
+            return self.cap.calls[ref[1]].outputs[ref[2]]
+        for i in self.users.get(ref, ()):
+            rec = self.cap.calls[i]
+            metas = [m for a in rec.args for m in ((a.tensor,) if a.kind == "tensor" else a.tensors)]
+            for r, m in zip([r for r in rec.inputs if r is not None], metas, strict=False):
+                if tuple(r) == ref:
+                    return m
+        return None
+
+
+def _chain_problem(log: _Log, calls: list[int]) -> str | None:
+    for i in calls:
+        reason = _refusal(log.cap.calls[i].op)
+        if reason:
+            return reason
+    if launches([{"op": log.cap.calls[i].op} for i in calls]) < MIN_LAUNCHES:
+        return f"fewer than {MIN_LAUNCHES} launches"
+    return None
+
+
+def _externals(log: _Log, calls: list[int]) -> list[tuple]:
+    inside = set(calls)
+    out: list[tuple] = []
+    for i in calls:
+        for ref in log.cap.calls[i].inputs:
+            if ref is None:
+                continue
+            ref = tuple(ref)
+            if ref[0] == "call" and ref[1] in inside:
+                continue
+            if ref not in out:
+                out.append(ref)
+    return out
+
+
+def _escapes(log: _Log, calls: list[int], outputs: list[tuple]) -> str | None:
+    """An intermediate used outside the chain (not one of its outputs) cannot be fused away."""
+    inside = set(calls)
+    for i in calls:
+        for k in range(len(log.cap.calls[i].outputs)):
+            ref = ("call", i, k)
+            if ref in outputs:
+                continue
+            if any(u not in inside for u in log.users.get(ref, ())):
+                return f"an intermediate ({log.cap.calls[i].op}) is used outside the chain"
+    return None
+
+
+def _writes_external(log: _Log, calls: list[int], allowed: set[tuple]) -> str | None:
+    inside = set(calls)
+    for i in calls:
+        rec = log.cap.calls[i]
+        positions = _writes(rec.op)
+        if not positions:
+            continue
+        flat = _tensor_positions(rec)
+        for pos in positions:
+            ref = flat.get(pos)
+            if ref is None:
+                continue
+            if ref[0] == "call" and ref[1] in inside:
+                continue
+            if ref not in allowed:
+                return f"{rec.op} writes into a tensor the caller can see"
+    return None
+
+
+def _tensor_positions(rec) -> dict[int, tuple]:
+    """Schema position -> ref, for the call's single-tensor arguments."""
+    refs = iter(rec.inputs)
+    out = {}
+    for pos, a in enumerate(rec.args):
+        if a.kind == "tensor":
+            r = next(refs)
+            out[pos] = tuple(r) if r is not None else None
+        elif a.kind == "tensors":
+            for _ in a.tensors:
+                next(refs)
+        elif a.kind == "none":
+            next(refs)
+    return out
+
+
+def _form(mc: ModuleCall, externals: list[tuple], param_prefix: str | None) -> tuple[dict, list[tuple], list] | str:
+    """The call form of a module/function site and the kernel inputs in order: every tensor argument
+    (used or not: its metadata decides the result too), then the parameters the chain reads."""
+    args, kwargs, inputs, refs, metas = [], {}, [], [], []
+
+    def one(item, where):
+        if item[0] == "t":
+            inputs.append(where)
+            refs.append(tuple(item[1]))
+            metas.append(item[2])
+            return ["t"]
+        if item[0] == "v":
+            return ["v", item[1]]
+        return None
+
+    for i, item in enumerate(mc.args):
+        entry = one(item, ["arg", i])
+        if entry is None:
+            return f"argument {i} is a {item[1]} (only tensors and plain values can be guarded)"
+        args.append(entry)
+    for k, item in mc.kwargs.items():
+        entry = one(item, ["kwarg", k])
+        if entry is None:
+            return f"argument {k} is a {item[1]} (only tensors and plain values can be guarded)"
+        kwargs[k] = entry
+    if len(set(refs)) != len(refs):
+        return "the same tensor is passed twice"
+    for ref in externals:
+        if ref in refs:
+            continue
+        if param_prefix is not None and ref[0] == "param" and ref[1].startswith(param_prefix):
+            local = ref[1][len(param_prefix):]
+            if "." in local:
+                return f"reads {ref[1]}, a parameter of a child module"
+            inputs.append(["param", local])
+            refs.append(ref)
+            metas.append(None)
+            continue
+        return f"reads a tensor that is neither an argument nor its own parameter ({ref[0]})"
+    returns = mc.returns
+    if returns not in ("tensor", "tuple"):
+        return "returns something other than a tensor or a tuple of tensors"
+    return {"args": args, "kwargs": kwargs, "inputs": inputs, "returns": returns}, refs, metas
+
+
+def _whole_call(log: _Log, k: int, mc: ModuleCall) -> Candidate | str:
+    """A leaf module's forward or a free function's body, as one chain."""
+    if mc.kind == "module" and any(log.cap.module_calls[c].kind == "module" for c in log.children.get(k, ())):
+        return "not a leaf module"
+    calls = list(range(mc.first, mc.last))
+    if not calls:
+        return "no aten calls"
+    problem = _chain_problem(log, calls)
+    if problem:
+        return problem
+    externals = _externals(log, calls)
+    prefix = None  # a function reads only its arguments
+    if mc.kind == "module":
+        prefix = "" if mc.path == "<model>" else mc.path + "."
+    formed = _form(mc, externals, prefix)
+    if isinstance(formed, str):
+        return formed
+    form, refs, metas = formed
+    outputs = [tuple(r) for r in mc.outputs]
+    if not outputs or any(r[0] != "call" or r[1] not in set(calls) for r in outputs):
+        return "returns a tensor it did not compute"
+    problem = _escapes(log, calls, outputs) or _writes_external(log, calls, set())
+    if problem:
+        return problem
+    metas = [m if m is not None else log.meta_of(r) for r, m in zip(refs, metas, strict=True)]
+    if mc.kind == "module":
+        cls = type(mc.module)
+        site = {"kind": "module", "target": rt.qualname(cls), "digest": rt.source_digest(cls.forward),
+                "facts": rt.simple_facts(mc.module), "form": form}
+    else:
+        owner, _, name = mc.path.removeprefix("fn:").rpartition(".")
+        site = {"kind": "function", "target": f"{owner}:{name}", "digest": rt.source_digest(mc.module),
+                "facts": {}, "form": form}
+    if site["digest"] is None:
+        return "its source is not available (the guard could not tell a changed forward)"
+    return Candidate(tuple(calls), tuple(refs), tuple(metas), tuple(outputs), site,
+                     fold_path(mc.path) if mc.kind == "module" else mc.path)
+
+
+def _child_calls(log: _Log, k: int, module: torch.nn.Module, names: tuple[str, ...]) -> dict[str, ModuleCall] | str:
+    found: dict[str, ModuleCall] = {}
+    for c in log.children.get(k, ()):
+        mc = log.cap.module_calls[c]
+        for name in names:
+            if mc.kind == "module" and mc.module is getattr(module, name, None):
+                if name in found:
+                    return f"{name} is called more than once"
+                found[name] = mc
+    missing = [n for n in names if n not in found]
+    return f"does not call {', '.join(missing)}" if missing else found
+
+
+def _glue(log: _Log, k: int, mc: ModuleCall, kind: str) -> Candidate | str:
+    """A chain between the child modules of a known structure (`modules.GLUE_INPUTS`)."""
+    module = mc.module
+    children = _child_calls(log, k, module, rt.GLUE_CHILDREN[kind])
+    if isinstance(children, str):
+        return children
+    if len(mc.args) != 1 or mc.args[0][0] != "t" or mc.kwargs:
+        return "not called with one tensor argument"
+    owned = set(range(mc.first, mc.last))
+    for c in log.children.get(k, ()):
+        owned -= set(range(log.cap.module_calls[c].first, log.cap.module_calls[c].last))
+    if kind == "gated_mlp":
+        chain_children = ("act_fn",)
+    elif kind == "conv_bn_act":
+        chain_children = ("normalization", "activation")
+    else:
+        chain_children = ("activation",)
+    calls = sorted(owned | {i for n in chain_children for i in range(children[n].first, children[n].last)})
+    if not calls:
+        return "no aten calls"
+    problem = _chain_problem(log, calls)
+    if problem:
+        return problem
+    sources = []
+    for name in rt.GLUE_INPUTS[kind]:
+        if "." in name:
+            sources.append(("param", f"{mc.path}.{name}"))
+        else:
+            out = children[name].outputs
+            if len(out) != 1:
+                return f"{name} does not return one tensor"
+            sources.append(tuple(out[0]))
+    externals = _externals(log, calls)
+    if set(externals) != set(sources) or len(sources) != len(set(sources)):
+        return "the chain does not read exactly the expected tensors"
+    if kind == "gated_mlp":
+        down = children["down_proj"]
+        if len(down.args) != 1 or down.args[0][0] != "t":
+            return "down_proj is not called with one tensor"
+        outputs = [tuple(down.args[0][1])]
+    else:
+        outputs = [tuple(r) for r in mc.outputs]
+    if len(outputs) != 1 or outputs[0][0] != "call" or outputs[0][1] not in set(calls):
+        return "the chain's result is not what the next step uses"
+    # Writing into a child's output is invisible to the caller (residual_act's `h += residual`).
+    allowed = {s for s in sources if s[0] == "call" and mc.first <= s[1] < mc.last}
+    problem = _escapes(log, calls, outputs) or _writes_external(log, calls, allowed)
+    if problem:
+        return problem
+    cls = type(module)
+    site = {"kind": kind, "target": rt.qualname(cls), "digest": rt.source_digest(cls.forward),
+            "facts": rt.glue_facts(kind, module), "form": {}}
+    if site["digest"] is None:
+        return "its source is not available"
+    metas = tuple(log.meta_of(r) for r in sources)
+    return Candidate(tuple(calls), tuple(sources), metas, tuple(outputs), site, fold_path(mc.path))
+
+
+def _glue_kind(module: Any) -> str | None:
+    for kind, names in rt.GLUE_CHILDREN.items():
+        if all(isinstance(getattr(module, n, None), torch.nn.Module) for n in names):
+            return kind
+    return None
+
+
+def find(cap: Capture) -> tuple[list[Candidate], list[Skipped]]:
+    """Every fusible chain in the capture, and why the other leaf modules and functions were left."""
+    log = _Log(cap)
+    found, skipped = [], []
+    for k, mc in enumerate(cap.module_calls):
+        if mc.last < 0:
+            continue
+        if mc.kind == "module" and getattr(mc.module, "training", False):
+            continue
+        glue = _glue_kind(mc.module) if mc.kind == "module" else None
+        leaf = mc.kind == "function" or not any(cap.module_calls[c].kind == "module" for c in log.children.get(k, ()))
+        if glue is None and not leaf:
+            continue
+        result = _glue(log, k, mc, glue) if glue else _whole_call(log, k, mc)
+        if isinstance(result, Candidate):
+            found.append(result)
+        elif mc.last > mc.first:
+            skipped.append(Skipped(fold_path(mc.path), result))
+    return found, skipped
+
+
+# --- cards ---------------------------------------------------------------------------------------------
+
+
+def _meta_dict(m: TensorMeta) -> dict[str, Any]:
+    return {"dtype": m.dtype, "shape": list(m.shape), "stride": list(m.stride), "storage_offset": m.storage_offset,
+            "device": m.device}
+
+
+def _value(v: Any) -> Any:
+    return [_value(x) for x in v] if isinstance(v, list | tuple) else v
+
+
+def chain_entries(cap: Capture, cand: Candidate) -> list[dict]:
+    """The chain in card form: tensor arguments as refs to inputs or to earlier entries."""
+    local = {i: p for p, i in enumerate(cand.calls)}
+    inputs = {ref: i for i, ref in enumerate(cand.inputs)}
+
+    def ref_of(r) -> list:
+        r = tuple(r)
+        if r[0] == "call" and r[1] in local:
+            return ["t", local[r[1]], r[2]]
+        return ["in", inputs[r]]
+
+    entries = []
+    for i in cand.calls:
+        rec = cap.calls[i]
+        refs = iter(rec.inputs)
+        args = []
+        for a in rec.args:
+            if a.kind == "tensor":
+                args.append({"name": a.name, "kind": "tensor", "ref": ref_of(next(refs))})
+            elif a.kind == "tensors":
+                args.append({"name": a.name, "kind": "tensors", "refs": [ref_of(next(refs)) for _ in a.tensors]})
+            elif a.kind == "none":
+                next(refs)
+                args.append({"name": a.name, "kind": "none"})
+            else:
+                args.append({"name": a.name, "kind": "value", "value": _value(a.value)})
+        entries.append({"op": rec.op, "args": args, "outs": [_meta_dict(m) for m in rec.outputs]})
+    return entries
+
+
+def pattern(chain: list[dict], kind: str) -> str:
+    """A name for what the chain computes (for people and for the templates' first look)."""
+    ops = Counter(_base(e["op"]) for e in chain)
+    if kind == "gated_mlp":
+        return "gated_act"
+    if kind == "residual_act":
+        return "add_act"
+    if kind == "conv_bn_act":
+        return "bn_act"
+    if ops["cat"] and ops["neg"] and ops["slice"]:
+        return "rotary"
+    reductions = ops["mean"] + ops["sum"]
+    if ops["rsqrt"] and reductions == 1 and ops["pow"]:
+        return "rmsnorm"
+    if (ops["rsqrt"] or ops["sqrt"]) and reductions >= 2:
+        return "layernorm"
+    if ops["amax"] and ops["exp"] and reductions:
+        return "softmax"
+    if ops["tanh"] and ops["pow"]:
+        return "gelu_tanh"
+    return "chain"
+
+
+def _arg_names(site: dict, n: int) -> list[str]:
+    if site["kind"] in rt.GLUE_INPUTS:
+        return [s.replace(".", "_") for s in rt.GLUE_INPUTS[site["kind"]]]
+    names = []
+    for src, key in site["form"]["inputs"]:
+        names.append(f"arg{key}" if src == "arg" else str(key).replace(".", "_"))
+    return names[:n]
+
+
+def chain_digest(chain: list[dict], outputs: list[list]) -> str:
+    text = json.dumps({"chain": chain, "outputs": outputs}, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def make_card(cap: Capture, cand: Candidate) -> Card:
+    chain = chain_entries(cap, cand)
+    local = {i: p for p, i in enumerate(cand.calls)}
+    outputs = [["t", local[r[1]], r[2]] for r in cand.outputs]
+    name = pattern(chain, cand.site["kind"])
+    names = _arg_names(cand.site, len(cand.input_metas))
+    digest = chain_digest(chain, outputs)
+    args = tuple(Arg(n, "tensor", tensor=m) for n, m in zip(names, cand.input_metas, strict=True))
+    args += (Arg("chain", "value", value=digest),)
+    out_metas = tuple(cap.calls[r[1]].outputs[r[2]] for r in cand.outputs)
+    rets = "Tensor" if len(out_metas) == 1 else "(" + ", ".join("Tensor" for _ in out_metas) + ")"
+    schema = f"fusion::{name}({', '.join(f'Tensor {n}' for n in names)}, str chain) -> {rets}"
+    fusion = {"pattern": name, "launches": launches(chain), "outputs": outputs, "sites": [cand.site],
+              "module_class": cand.site["target"]}
+    return Card(op=f"fusion.{name}.default", schema=schema, args=args, outputs=out_metas, kind="fusion", calls=1,
+                modules=(cand.path,), chain=tuple(chain), fusion=fusion)
+
+
+def group(cap: Capture, candidates: list[Candidate]) -> list[Card]:
+    """One card per distinct chain and signature; `calls` counts its occurrences, sites are merged."""
+    by_id: dict[str, Card] = {}
+    paths: dict[str, Counter] = {}
+    for cand in candidates:
+        card = make_card(cap, cand)
+        paths.setdefault(card.id, Counter())[cand.path] += 1
+        if card.id not in by_id:
+            by_id[card.id] = card
+            continue
+        old = by_id[card.id]
+        sites = old.fusion["sites"]
+        if cand.site not in sites and len(sites) < MAX_SITES_PER_CARD:
+            sites = [*sites, cand.site]
+        by_id[card.id] = dataclasses.replace(old, calls=old.calls + 1, fusion={**old.fusion, "sites": sites})
+    return [dataclasses.replace(c, modules=tuple(p for p, _ in paths[c.id].most_common(6))) for c in by_id.values()]
+
+
+# --- replaying the chain: the stock reference of a fusion card ---------------------------------------
+
+
+def run_chain(card: Card, tensors: list[torch.Tensor | None], device: torch.device | str | None = None
+              ) -> list[torch.Tensor]:
+    """Replay the chain with stock aten ops on these inputs (ABI order); its outputs, in order.
+
+    An input the chain writes in place (`h += residual`) is cloned first, so the caller's tensors are
+    never changed (the fused kernel does not change them either)."""
+    if device is None:
+        device = next((t.device for t in tensors if t is not None), torch.device("cpu"))
+    return chain_plan(card, torch.device(device))(tensors)
+
+
+class ChainPlan:
+    """A chain with its ops resolved and its non-tensor arguments decoded once, so that a replay costs
+    the aten calls and little else (profiling times replays)."""
+
+    def __init__(self, card: Card, device: torch.device):
+        self.steps = []
+        for entry in card.chain:
+            func = opcall.resolve(entry["op"])
+            positional, keyword = [], []
+            for schema_arg, a in zip(func._schema.arguments, entry["args"], strict=True):
+                if a["kind"] == "tensor":
+                    written = schema_arg.alias_info is not None and schema_arg.alias_info.is_write
+                    item = ("ref", tuple(a["ref"]), written)
+                elif a["kind"] == "tensors":
+                    item = ("refs", tuple(tuple(r) for r in a["refs"]), False)
+                elif a["kind"] == "none":
+                    item = ("const", None, False)
+                else:
+                    item = ("const", opcall.decode_value(schema_arg, a["value"], device), False)
+                if schema_arg.kwarg_only:
+                    keyword.append((schema_arg.name, item))
+                else:
+                    positional.append(item)
+            self.steps.append((func, tuple(positional), tuple(keyword)))
+        self.outputs = tuple(tuple(r) for r in card.fusion["outputs"])
+
+    def __call__(self, tensors: list[torch.Tensor | None]) -> list[torch.Tensor]:
+        values: list[list[torch.Tensor]] = []
+        inputs = list(tensors)
+        cloned: set[int] = set()
+
+        def get(ref: tuple) -> torch.Tensor:
+            return inputs[ref[1]] if ref[0] == "in" else values[ref[1]][ref[2]]
+
+        def arg(item: tuple):
+            kind, payload, written = item
+            if kind == "const":
+                return payload
+            if kind == "refs":
+                return [get(r) for r in payload]
+            if written and payload[0] == "in" and payload[1] not in cloned:
+                inputs[payload[1]] = inputs[payload[1]].clone()
+                cloned.add(payload[1])
+            return get(payload)
+
+        for func, positional, keyword in self.steps:
+            out = func(*[arg(i) for i in positional], **{k: arg(i) for k, i in keyword})
+            values.append(opcall.flatten_outputs(out))
+        return [get(r) for r in self.outputs]
+
+
+_PLANS: dict[tuple[str, str], ChainPlan] = {}
+
+
+def chain_plan(card: Card, device: torch.device) -> ChainPlan:
+    """The card's replay plan (cached per card id and device: the id covers the whole chain)."""
+    key = (card.id, str(device))
+    plan = _PLANS.get(key)
+    if plan is None:
+        if len(_PLANS) > 256:
+            _PLANS.clear()
+        plan = _PLANS[key] = ChainPlan(card, device)
+    return plan
+
+
+# --- sites for the runtime -------------------------------------------------------------------------------
+
+
+def sites_of(cards: list[Card]) -> tuple[list[rt.Site], dict[int, list[Card]]]:
+    """Runtime sites for these cards (identical sites merged), and the cards each site serves."""
+    keyed: dict[str, int] = {}
+    sites: list[dict] = []
+    served: dict[int, list[Card]] = {}
+    for card in cards:
+        for s in card.fusion["sites"]:
+            key = json.dumps(s, sort_keys=True)
+            if key not in keyed:
+                keyed[key] = len(sites)
+                sites.append(s)
+            served.setdefault(keyed[key], []).append(card)
+    out = [rt.Site(i, s["kind"], s["target"], s["digest"], s["facts"], s["form"],
+                   tuple(c.id for c in served[i])) for i, s in enumerate(sites)]
+    return out, served
+
+
+def matching_card(cards: list[Card], tensors: list[torch.Tensor]) -> Card | None:
+    """The card whose inputs have exactly these tensors' metadata."""
+    keys = [samples_mod.meta_of(t).key() for t in tensors]
+    for card in cards:
+        metas = card.tensor_inputs()
+        if len(metas) == len(keys) and all(m.key() == k for m, k in zip(metas, keys, strict=True)):
+            return card
+    return None
+
+
+def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.is_floating_point():
+        return bool(((a == b) | (torch.isnan(a) & torch.isnan(b))).all())
+    return torch.equal(a, b)
+
+
+@dataclass
+class Checked:
+    """What `check_and_sample` found: cards that replay exactly, their samples, and what was dropped."""
+
+    cards: list[Card]
+    samples: dict[str, list]  # card id -> [(inputs, outputs)] (CPU windows, as capture keeps them)
+    dropped: dict[str, str]  # card id -> why
+
+
+def check_and_sample(model: torch.nn.Module, run: Callable[[], Any], cards: list[Card],
+                     keep: int = samples_mod.MAX_SAMPLES_PER_CARD) -> Checked:
+    """Run the model with every site patched in observe mode (nothing replaced): each call's chain is
+    replayed and must equal the module's own result bit for bit; the first calls are kept as samples.
+    The model's output must be bit-identical to an unpatched run (the glue forwards re-state code)."""
+    if not cards:
+        return Checked([], {}, {})
+    sites, served = sites_of(cards)
+    kept: dict[str, list] = {c.id: [] for c in cards}
+    seen: Counter = Counter()
+    bad: dict[str, str] = {}
+
+    def observe(site: rt.Site, tensors: list[torch.Tensor], outputs: list[torch.Tensor]) -> None:
+        card = matching_card(served[site.index], tensors)
+        if card is None:
+            return
+        seen[card.id] += 1
+        if card.id in bad:
+            return
+        replay = run_chain(card, tensors)
+        if len(replay) != len(outputs) or not all(_bits_equal(a, b) for a, b in zip(replay, outputs, strict=True)):
+            bad[card.id] = "replaying the chain does not give what the module computed"
+            return
+        if len(kept[card.id]) < keep:
+            kept[card.id].append(([samples_mod.window(t).cpu() for t in tensors],
+                                  [samples_mod.window(o).cpu() for o in outputs]))
+
+    with torch.no_grad():
+        reference = opcall.flatten_outputs(_output(run()))
+        again = opcall.flatten_outputs(_output(run()))
+        patches = rt.ModulePatches(sites, call=lambda site, tensors: None, observe=observe)
+        patches.install()
+        try:
+            patched = opcall.flatten_outputs(_output(run()))
+        finally:
+            patches.remove()
+    # Bit for bit where the model itself is deterministic; else within a generous bound (a wrong glue
+    # forward is off by far more than run-to-run noise).
+    exact = _same_outputs(reference, again, 0.0)
+    if not _same_outputs(reference, patched, 0.0 if exact else 1e-2):
+        glue = {c.id for c in cards if any(s["kind"] in rt.GLUE_INPUTS for s in c.fusion["sites"])}
+        bad.update({i: "the model's output changed with the patched forwards in place" for i in glue})
+    out = []
+    for card in cards:
+        if card.id not in bad and not kept[card.id]:
+            bad[card.id] = "no call of the model reached it through its patched site"
+        if card.id in bad:
+            continue
+        out.append(_with_stats(card, kept[card.id][0][0]))
+    return Checked(out, {c.id: kept[c.id] for c in out}, bad)
+
+
+def _same_outputs(a: list[torch.Tensor], b: list[torch.Tensor], rtol: float) -> bool:
+    """Bitwise (rtol 0), or every output within rtol of its largest magnitude, NaNs in the same places."""
+    if len(a) != len(b):
+        return False
+    for x, y in zip(a, b, strict=True):
+        if rtol == 0.0 or not x.is_floating_point():
+            if not _bits_equal(x, y):
+                return False
+            continue
+        if x.shape != y.shape or not torch.equal(torch.isnan(x), torch.isnan(y)):
+            return False
+        fx, fy = x.double(), y.double()
+        finite = torch.isfinite(fx) & torch.isfinite(fy)
+        if not torch.equal(fx[~finite].nan_to_num(), fy[~finite].nan_to_num()):
+            return False
+        scale = float(fx[finite].abs().max()) if bool(finite.any()) else 0.0
+        if bool(finite.any()) and float((fx - fy)[finite].abs().max()) > rtol * max(scale, 1e-30):
+            return False
+    return True
+
+
+def _output(result: Any) -> Any:
+    for name in ("logits", "last_hidden_state"):
+        value = getattr(result, name, None)
+        if isinstance(value, torch.Tensor):
+            return value
+    return result
+
+
+def _with_stats(card: Card, inputs: list[torch.Tensor]) -> Card:
+    """Value statistics of the first sample, so fresh inputs are drawn like the real ones."""
+    metas = iter(inputs)
+    args = []
+    for a in card.args:
+        if a.kind == "tensor":
+            window = next(metas)
+            stats = samples_mod.value_stats(window)
+            args.append(dataclasses.replace(a, tensor=dataclasses.replace(a.tensor, stats=stats)))
+        else:
+            args.append(a)
+    return dataclasses.replace(card, args=tuple(args))
+
+
+# --- profile ------------------------------------------------------------------------------------------------
+
+
+def profile_cards(cards: list[Card], sample_sets: dict[str, list], device: torch.device, facts: Any,
+                  total_us: float) -> list[Card]:
+    """Each chain timed in isolation (replayed, L2 flushed, median), on the roofline of its external
+    bytes; `share` is against `total_us`, the summed isolated time of every aten call of the model
+    (the same total the operator cards' shares use). Baseline class "fusion"."""
+    from forgepack import profile as profile_mod
+    from forgepack import roofline, timing
+
+    out = []
+    reps = 20 if device.type == "cuda" else 7
+    for card in cards:
+        sets = sample_sets.get(card.id) or []
+        if sets:
+            metas = card.tensor_inputs()
+            inputs = [samples_mod.materialize(m, t, device) for m, t in zip(metas, sets[0][0], strict=True)]
+        else:
+            inputs = samples_mod.fresh_inputs(card, seed=0, device=device)
+
+        fn = opcall.stock_call(card, inputs, device)
+        eager_us = timing.median(timing.time_us(fn, device, reps=reps, warmup=2))
+        kernels = profile_mod._kernels_of(fn) if device.type == "cuda" else []
+        roof = roofline.roofline(card, facts)
+        total = eager_us * card.calls
+        out.append(card.with_profile(Profile(
+            eager_us=eager_us, total_us=total, share=total / total_us if total_us > 0 else 0.0,
+            bytes=roof.bytes, flops=roof.flops, roofline_us=roof.us,
+            headroom=eager_us / roof.us if roof.us > 0 else 1.0, baseline="fusion",
+            kernels=tuple(dict.fromkeys(kernels))[:8],
+        )))
+    return out
+
+
+@dataclass
+class FusionResult:
+    cards: list[Card]
+    samples: dict[str, list]
+    dropped: dict[str, str]  # card id -> why it was dropped after capture
+    skipped: list[Skipped]  # leaf modules and functions not fused, with the reason
+
+
+def build(model: torch.nn.Module, run: Callable[[], Any], cap: Capture, device: torch.device, facts: Any,
+          op_cards: list[Card]) -> FusionResult:
+    """Fusion cards for a captured model, checked, sampled and profiled (for `forgepack profile`).
+
+    `cap` must come from `capture(..., functions=function_sites(model))`; `run` runs one forward and
+    returns its output, leaving model state as it found it; `op_cards` are the profiled operator cards
+    (their summed time is the share's denominator)."""
+    candidates, skipped = find(cap)
+    checked = check_and_sample(model, run, group(cap, candidates))
+    total = sum(c.profile.total_us for c in op_cards if c.profile)
+    cards = profile_cards(checked.cards, checked.samples, device, facts, total) if facts is not None else checked.cards
+    return FusionResult(cards, checked.samples, checked.dropped, skipped)

@@ -1,0 +1,755 @@
+"""Fused templates: one kernel for a module-level chain of aten calls (fusion cards, `forgepack.fusion`).
+
+A fusion card's `chain` is the list of aten calls it replaces, with tensor arguments as refs to the
+card's inputs or to earlier calls. Three programs cover the chains the reference models make:
+
+- `fused.pointwise`: elementwise ops (unary, binary with broadcasting, casts, pow, eval batch norm) on
+  inputs seen through strided views (unsqueeze, expand, view...): GPT-2's tanh GELU, act(gate) * up,
+  BN + ReLU, add + ReLU. One pointwise job (`elementwise.render_pointwise`) whose expression is the
+  whole chain: 16-byte vector loads where the layout allows, one store.
+- `fused.rows`: elementwise ops and reductions over the last dim with keepdim (mean, sum, amax):
+  HF RMSNorm with its casts, Gemma's (1 + w), LayerNorm or softmax written as chains. A row program
+  (`rowreduce.render_rows`): the row is read once into registers when it fits.
+- `fused.indexed`: any chain of elementwise ops, views (slice, unsqueeze, expand, transpose, view) and
+  cats: rotary embedding of q and k (rotate_half is slice, neg, cat) in one launch for both outputs,
+  rotary cos/sin tables. Every output element evaluates the chain through index math; scalar loads.
+
+Numerics: each op computes in float as aten's opmath does and rounds to its own output dtype, so the
+kernel rounds exactly where the chain rounds (HF Llama casts back to the input dtype before the weight
+multiply; GPT-2's GELU rounds to fp16 after each of its eight ops). Transcendentals are the same
+functions aten calls (tanhf, expf, ...), reductions accumulate in float.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+from forgepack.cards import DTYPE_SIZES, Card, TensorMeta
+from forgepack.templates import elementwise as ew
+from forgepack.templates.common import (
+    FLOATS,
+    TARGETS,
+    Template,
+    View,
+    ceil_div,
+    coalesce,
+    ctype,
+    device_mismatch,
+    entry,
+    flit,
+    index_type,
+    launch_status,
+    prelude,
+)
+from forgepack.templates.rowreduce import Param, RowProgram, Step, build_rows, render_rows, row_axes, row_default
+
+PATTERNS = ("rmsnorm", "layernorm", "softmax", "rotary", "gated_act", "bn_act", "add_act", "gelu_tanh", "chain")
+FUSION_OPS = tuple(f"fusion.{p}.default" for p in PATTERNS)
+COMPUTE_DTYPES = ("float32", "float16", "bfloat16")
+
+_BINARY = {"add", "sub", "mul", "div", "add_", "sub_", "mul_", "div_"}
+_IDENTITY = {"_to_copy", "clone", "contiguous", "alias", "detach", "lift_fresh", "to"}
+_BN = {"native_batch_norm": "eps", "_native_batch_norm_legit_no_training": "eps", "cudnn_batch_norm": "epsilon"}
+_VIEWS = {"unsqueeze", "squeeze", "slice", "select", "expand", "transpose", "t", "permute", "view", "_unsafe_view",
+          "reshape", "alias", "detach", "_reshape_alias", "expand_as", "view_as", "flatten"}
+_REDUCE = {"mean": "sum", "sum": "sum", "amax": "max"}
+
+
+class Refused(Exception):
+    """The chain holds something this template cannot compute exactly; the message says what."""
+
+
+# --- the chain ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Entry:
+    index: int
+    op: str  # base name, e.g. "mul"
+    overload: str
+    args: dict  # name -> arg dict from the card's chain
+    order: tuple[str, ...]  # argument names in schema order
+    outs: tuple[TensorMeta, ...]
+
+    def value(self, name: str, default=None):
+        a = self.args.get(name)
+        return default if a is None or a["kind"] != "value" else a["value"]
+
+    def tensor(self, name: str) -> list | None:
+        a = self.args.get(name)
+        return a["ref"] if a is not None and a["kind"] == "tensor" else None
+
+    def tensor_args(self) -> list[tuple[str, list]]:
+        return [(n, self.args[n]["ref"]) for n in self.order if self.args[n]["kind"] == "tensor"]
+
+
+def _meta(d: dict) -> TensorMeta:
+    return TensorMeta(d["dtype"], tuple(d["shape"]), tuple(d["stride"]), d.get("storage_offset", 0),
+                      d.get("device", "cpu"))
+
+
+def entries(card: Card) -> list[Entry]:
+    out = []
+    for i, e in enumerate(card.chain):
+        _, op, overload = e["op"].split(".")
+        args = {a["name"]: a for a in e["args"]}
+        out.append(Entry(i, op, overload, args, tuple(a["name"] for a in e["args"]),
+                         tuple(_meta(m) for m in e["outs"])))
+    return out
+
+
+def meta_of(card: Card, chain: list[Entry], ref: list) -> TensorMeta:
+    if ref[0] == "in":
+        return card.tensor_inputs()[ref[1]]
+    return chain[ref[1]].outs[ref[2]]
+
+
+def _used(card: Card, chain: list[Entry]) -> set[int]:
+    """Chain entries an output depends on (an unused `empty`, BN's saved statistics, are not)."""
+    need, todo = set(), [r for r in card.fusion["outputs"] if r[0] == "t"]
+    while todo:
+        r = todo.pop()
+        if r[1] in need:
+            continue
+        need.add(r[1])
+        for a in chain[r[1]].args.values():
+            refs = [a["ref"]] if a["kind"] == "tensor" else a.get("refs", []) if a["kind"] == "tensors" else []
+            todo.extend(x for x in refs if x[0] == "t")
+    return need
+
+
+# --- elementwise semantics (shared by all three programs) ------------------------------------------------
+
+
+def _sub(expr: str, operand: str) -> str:
+    """An elementwise template expression of `a0` applied to `operand`."""
+    return re.sub(r"\ba0\b", f"({operand})", expr)
+
+
+def _round(expr: str, dtype: str) -> str:
+    if dtype not in COMPUTE_DTYPES:
+        raise Refused(f"an intermediate of dtype {dtype}")
+    return expr if dtype == "float32" else f"fp_round_{dtype}({expr})"
+
+
+def elementwise_expr(e: Entry, operands: dict[str, tuple[str, str]], target: str, bn_form: str = "scale_shift") -> str:
+    """Float expression of `e`'s first output, rounded to its dtype; `operands`: tensor argument name ->
+    (float expression, dtype). Raises `Refused` for an op it does not know exactly."""
+    out = e.outs[0].dtype if e.outs else None
+    if out not in COMPUTE_DTYPES:
+        raise Refused(f"{e.op} gives {out}")
+    op = e.op
+    if op in _IDENTITY:
+        (x, _), = [operands[n] for n, _ in e.tensor_args()]
+        return _round(x, out)
+    if op == "gelu":
+        x, dt = operands["self"]
+        mode = e.value("approximate", "none")
+        if mode not in ("none", "tanh"):
+            raise Refused(f"gelu approximation {mode!r}")
+        expr = ew._GELU_TANH if mode == "tanh" else ew._GELU_ERF
+        if mode == "none" and target == "cpu" and dt != "float16":
+            raise Refused("aten's CPU erf GELU is position-dependent at +inf")
+        return _round(_sub(expr, x), out)
+    if op == "pow" and e.overload == "Tensor_Scalar":
+        x, dt = operands["self"]
+        exponent = e.value("exponent")
+        if isinstance(exponent, bool) or not isinstance(exponent, int | float):
+            raise Refused("pow exponent is not a real number")
+        return _round(_sub(ew._pow_expr(exponent, dt, target), x), out)
+    key = f"aten.{op}.default"
+    if key in ew._UNARY:
+        x, _ = operands["self"]
+        return _round(_sub(ew._UNARY[key], x), out)
+    if op in _BINARY:
+        return _round(_binary(e, operands, out, target), out)
+    if op in _BN:
+        return _round(_batch_norm(e, operands, bn_form), out)
+    raise Refused(f"{op}.{e.overload} is not served by the fused templates")
+
+
+def _binary(e: Entry, operands: dict[str, tuple[str, str]], out: str, target: str) -> str:
+    terms = []
+    for name in ("self", "other"):
+        a = e.args.get(name)
+        if a is None:
+            raise Refused(f"{e.op} without {name}")
+        if a["kind"] == "tensor":
+            x, dt = operands[name]
+            terms.append(ew._round_to(dt, x, out))
+        elif a["kind"] == "value" and isinstance(a["value"], int | float) and not isinstance(a["value"], bool):
+            if name == "self":
+                raise Refused("a scalar self")
+            terms.append(flit(a["value"]))
+        else:
+            raise Refused(f"{e.op} operand {name} is {a['kind']}")
+    x, y = terms
+    base = e.op.rstrip("_")
+    alpha = e.value("alpha", 1)
+    if isinstance(alpha, bool) or not isinstance(alpha, int | float):
+        raise Refused("alpha is not a real number")
+    exact = target == "cuda" and out == "float32"
+    if base in ("add", "sub"):
+        if float(alpha) != 1.0:
+            return f"({x} {'+' if base == 'add' else '-'} ({flit(alpha)} * {y}))"  # one aten kernel: as it is
+        return _arith("+" if base == "add" else "-", x, y, exact)
+    if base == "mul":
+        return _arith("*", x, y, exact)
+    if e.value("rounding_mode") is not None:
+        raise Refused("div with a rounding mode")
+    if e.args["other"]["kind"] == "value" and target == "cuda":
+        return _arith("*", x, f"(1.0f / {y})", exact)  # aten's div_true_kernel_cuda multiplies by the reciprocal
+    return _arith("/", x, y, exact)
+
+
+_INTRINSICS = {"+": "__fadd_rn", "-": "__fsub_rn", "*": "__fmul_rn", "/": "__fdiv_rn"}
+
+
+def _arith(op: str, x: str, y: str, exact: bool) -> str:
+    """`x op y`; on CUDA with a float32 result through the round-to-nearest intrinsics, which nvcc never
+    contracts into an FMA with a neighbouring op: each aten op rounds its own result."""
+    return f"{_INTRINSICS[op]}({x}, {y})" if exact else f"({x} {op} {y})"
+
+
+def _batch_norm(e: Entry, operands: dict[str, tuple[str, str]], form: str) -> str:
+    training = e.value("training", False)
+    if training is not False:
+        raise Refused("training-mode batch norm")
+    if "running_mean" not in operands or "running_var" not in operands:
+        raise Refused("batch norm without running statistics")
+    eps = e.value(_BN[e.op])
+    if isinstance(eps, bool) or not isinstance(eps, int | float):
+        raise Refused("batch norm eps is not a number")
+    x = operands["input"][0]
+    m, v = operands["running_mean"][0], operands["running_var"][0]
+    w = operands["weight"][0] if "weight" in operands else "1.0f"
+    b = operands["bias"][0] if "bias" in operands else "0.0f"
+    invstd = f"(1.0f / sqrtf({v} + {flit(eps)}))"
+    if form == "sub_mul":
+        return f"((({x} - {m}) * {invstd}) * {w} + {b})"
+    return f"({x} * ({invstd} * {w}) + ({b} - {m} * ({invstd} * {w})))"
+
+
+# --- the template base --------------------------------------------------------------------------------
+
+
+class FusedTemplate(Template):
+    """Serves fusion cards (which the operator templates refuse) on both targets."""
+
+    def _checked_plan(self, card: Card, target: str):
+        if target not in self.targets or target not in TARGETS:
+            return f"{self.name} has no {target} kernel"
+        if card.kind != "fusion" or not card.chain or not card.fusion:
+            return f"{self.name} serves fusion cards"
+        reason = device_mismatch(card, target)
+        if reason:
+            return reason
+        if not card.outputs or any(o.numel == 0 for o in card.outputs):
+            return "empty output"
+        for m in [m for m in card.tensor_inputs() if m is not None] + list(card.outputs):
+            if any(s < 0 for s in m.stride):
+                return "negative stride"
+            if len(m.shape) > 8:
+                return "more than 8 dims"
+        if card.scalars():
+            return "fusion cards take no scalars"
+        try:
+            return self.plan(card, target)
+        except Refused as err:
+            return str(err)
+
+
+# --- fused.pointwise -----------------------------------------------------------------------------------
+
+
+def _leaf_view(card: Card, chain: list[Entry], ref: list, shape: tuple[int, ...]) -> tuple[int, View]:
+    """(input slot, its view over `shape`) for an input seen directly or through view ops."""
+    offset = 0
+    meta = meta_of(card, chain, ref)
+    while ref[0] == "t":
+        e = chain[ref[1]]
+        if e.op not in _VIEWS:
+            raise Refused(f"a {e.op} result used as an input")
+        (_, src), = e.tensor_args()
+        offset += meta.storage_offset - meta_of(card, chain, src).storage_offset
+        ref = src
+    base = card.tensor_inputs()[ref[1]]
+    if offset < 0:
+        raise Refused("a view starting before its input")
+    lo, hi = _extent(meta, offset)
+    if hi >= base.span() and base.span() > 0 and not (lo == 0 and hi == 0):
+        raise Refused("a view reaching outside its input")
+    view = ew.broadcast_view(meta, shape)
+    if view is None:
+        raise Refused(f"an input of shape {meta.shape} does not broadcast to {shape}")
+    return ref[1], View(meta.dtype, view.strides, offset, base.storage_offset)
+
+
+def _extent(meta: TensorMeta, offset: int) -> tuple[int, int]:
+    hi = offset + sum((n - 1) * s for n, s in zip(meta.shape, meta.stride, strict=True) if n > 0)
+    return offset, hi
+
+
+def _channel_view(card: Card, chain: list[Entry], ref: list, shape: tuple[int, ...]) -> tuple[int, View]:
+    """A [C] batch-norm parameter seen along dim 1 of the iteration shape."""
+    meta = meta_of(card, chain, ref)
+    if ref[0] != "in" or len(meta.shape) != 1 or len(shape) < 2 or meta.shape[0] != shape[1]:
+        raise Refused("batch norm parameters are not [C] inputs")
+    strides = tuple(meta.stride[0] if d == 1 and shape[1] != 1 else 0 for d in range(len(shape)))
+    return ref[1], View(meta.dtype, strides, 0, meta.storage_offset)
+
+
+class PointwiseFusion(FusedTemplate):
+    """The chain as one expression over the output's elements (see the module docstring)."""
+
+    def plan(self, card: Card, target: str):
+        if len(card.outputs) != 1:
+            raise Refused("pointwise fusion has one output")
+        chain = entries(card)
+        if card.outputs[0].dtype not in COMPUTE_DTYPES:
+            raise Refused(f"output dtype {card.outputs[0].dtype}")
+        forms = ("sub_mul", "scale_shift") if target == "cuda" else ("scale_shift",)
+        if not any(e.op in _BN for e in chain):
+            forms = forms[:1]
+        return {form: [_pointwise_job(card, chain, target, form)] for form in forms}
+
+    def axes(self, plan, target):
+        if target == "cpu":
+            return {}
+        first = next(iter(plan.values()))
+        axes = ew.pointwise_axes(first, target)
+        return {"form": list(plan), **axes} if len(plan) > 1 else axes
+
+    def pick_default(self, plan, axes, target):
+        if target == "cpu":
+            return {}
+        first = next(iter(plan.values()))
+        params = ew.pointwise_default(first, {k: v for k, v in axes.items() if k != "form"}, target)
+        return {"form": next(iter(plan)), **params} if len(plan) > 1 else params
+
+    def emit(self, card, plan, target, params):
+        jobs = plan[params.pop("form", next(iter(plan)))]
+        return ew.render_pointwise(card, target, jobs, params)
+
+
+def _pointwise_job(card: Card, chain: list[Entry], target: str, form: str) -> ew.Job:
+    """The chain as one job over the output's elements: each input view a job input `a<k>`, each op
+    a statement of one lambda that is the job's expression."""
+    out = card.outputs[0]
+    shape = out.shape
+    leaves: dict[tuple[int, View], int] = {}
+
+    def leaf(slot_view: tuple[int, View]) -> str:
+        if slot_view not in leaves:
+            leaves[slot_view] = len(leaves)
+        return f"a{leaves[slot_view]}"
+
+    stmts, names = [], {}
+    used = _used(card, chain)
+    for e in chain:
+        if e.index not in used or e.op in _VIEWS:
+            continue
+        operands = {}
+        for name, ref in e.tensor_args():
+            dtype = meta_of(card, chain, ref).dtype
+            if dtype not in COMPUTE_DTYPES and not (e.op in _IDENTITY and dtype in ew.CAST_SOURCES):
+                raise Refused(f"a {dtype} operand")
+            if ref[0] == "t" and ref[1] in names and ref[2] == 0:
+                operands[name] = (names[ref[1]], dtype)
+            elif ref[0] == "t" and chain[ref[1]].op not in _VIEWS:
+                raise Refused(f"{chain[ref[1]].op}'s output {ref[2]} is used")
+            elif e.op in _BN and name != "input":
+                operands[name] = (leaf(_channel_view(card, chain, ref, shape)), dtype)
+            else:
+                operands[name] = (leaf(_leaf_view(card, chain, ref, shape)), dtype)
+        stmts.append(f"const float t{e.index} = {elementwise_expr(e, operands, target, form)};")
+        names[e.index] = f"t{e.index}"
+    result = card.fusion["outputs"][0]
+    if result[0] != "t" or result[1] not in names or result[2] != 0:
+        raise Refused("the output is not computed by the chain")
+    expr = "([&]() -> float { " + " ".join(stmts) + f" return {names[result[1]]}; }}())"
+    out_view = View(out.dtype, tuple(0 if n == 1 else s for n, s in zip(shape, out.stride, strict=True)), 0,
+                    out.storage_offset)
+    views = sorted(leaves, key=leaves.get)
+    cshape, cviews = coalesce(shape, [out_view, *[v for _, v in views]])
+    return ew.Job(cshape, cviews[0], 0, tuple(cviews[1:]), tuple(s for s, _ in views), expr)
+
+
+# --- fused.rows --------------------------------------------------------------------------------------------
+
+
+class RowsFusion(FusedTemplate):
+    """Elementwise ops and last-dim reductions as a row program (see the module docstring)."""
+
+    def plan(self, card: Card, target: str):
+        chain = entries(card)
+        used = _used(card, chain)
+        out0 = card.outputs[0]
+        if len(out0.shape) == 0:
+            raise Refused("a 0-dim output")
+        n = out0.shape[-1]
+        rows_shape = out0.shape[:-1]
+        ins = card.tensor_inputs()
+        full = [i for i, m in enumerate(ins) if m.shape == out0.shape]
+        if len(full) != 1:
+            raise Refused("row fusion needs exactly one input of the output's shape")
+        x_slot = full[0]
+        params: list[Param] = []
+        param_of: dict[int, str] = {}
+        elem: dict[tuple, str] = {}  # ("in", slot) or ("t", index) -> per-element float expression
+        row: dict[int, str] = {}  # entry index -> per-row scalar name
+        steps: list[Step] = []
+
+        def input_expr(slot: int) -> str:
+            if slot == x_slot:
+                return "x"
+            if slot not in param_of:
+                m = ins[slot]
+                cols = [(size, s) for size, s in zip(m.shape, m.stride, strict=True) if size != 1]
+                if m.numel != n or len(cols) != 1 or len(m.shape) > len(out0.shape) or m.shape[-1] != n:
+                    raise Refused("a second input that is not per column")
+                stride = cols[0][1]
+                index = None if stride == 1 else f"col * {stride}u"
+                params.append(Param(slot, m.dtype, index, m.storage_offset))
+                param_of[slot] = f"w{len(params) - 1}"
+            return param_of[slot]
+
+        def operand(ref: list) -> tuple[str, str, bool]:
+            """(expression, dtype, per-row?)"""
+            dtype = meta_of(card, chain, ref).dtype
+            if ref[0] == "in":
+                return input_expr(ref[1]), dtype, False
+            if ref[2] != 0:
+                raise Refused(f"output {ref[2]} of {chain[ref[1]].op} is used")
+            if ref[1] in row:
+                return row[ref[1]], dtype, True
+            if ("t", ref[1]) in elem:
+                return elem[("t", ref[1])], dtype, False
+            raise Refused(f"{chain[ref[1]].op} is not computable per element or per row")
+
+        for e in chain:
+            if e.index not in used:
+                continue
+            shape = e.outs[0].shape if e.outs else ()
+            if e.op in _REDUCE:
+                self._reduce(e, n, out0, operand, steps, row, target)
+                continue
+            if e.op in _VIEWS:
+                (_, src), = e.tensor_args()
+                expr, _, per_row = operand(src)
+                if e.outs[0].shape != meta_of(card, chain, src).shape:
+                    raise Refused(f"a {e.op} that changes the shape")
+                if per_row:
+                    row[e.index] = expr
+                else:
+                    elem[("t", e.index)] = expr
+                continue
+            operands, per_row = {}, True
+            for name, ref in e.tensor_args():
+                expr, dtype, is_row = operand(ref)
+                operands[name] = (expr, dtype)
+                per_row = per_row and is_row
+            expr = elementwise_expr(e, operands, target)
+            if per_row and shape and shape[-1] == 1:
+                name = f"r{e.index}_"
+                steps.append(Step("let", name, expr))
+                row[e.index] = name
+            elif shape and shape[-1] == n:
+                elem[("t", e.index)] = expr
+            else:
+                raise Refused(f"{e.op} of shape {shape} is neither per row nor per element")
+        outs, writes = [], []
+        for j, (ref, meta) in enumerate(zip(card.fusion["outputs"], card.outputs, strict=True)):
+            if meta.shape != out0.shape:
+                raise Refused("row fusion writes outputs of the input's shape")
+            expr, _, per_row = operand(ref)
+            if per_row:
+                raise Refused("a per-row output")
+            outs.append((j, meta))
+            writes.append(Step("write", expr=expr, slot=j))
+        built = build_rows(ins[x_slot], x_slot, 1, outs, [])
+        if isinstance(built, str):
+            raise Refused(built)
+        outer, xv, out_views, _, size, rows = built
+        if size != n or math.prod(rows_shape) != rows:
+            raise Refused("rows do not match")
+        if not any(s.kind == "reduce" for s in steps):
+            raise Refused("no reduction: a pointwise chain")
+        return RowProgram(rows, n, outer, xv, x_slot, out_views, (), tuple(params), tuple(steps + writes))
+
+    @staticmethod
+    def _reduce(e: Entry, n: int, out0: TensorMeta, operand, steps: list[Step], row: dict, target: str) -> None:
+        nd = len(out0.shape)
+        dims = e.value("dim")
+        dims = [dims] if isinstance(dims, int) else list(dims or [])
+        if [d % nd for d in dims] != [nd - 1] or not e.value("keepdim", False):
+            raise Refused(f"{e.op} over dims {dims} (keepdim={e.value('keepdim')}): only the last dim, keepdim")
+        if e.value("dtype") is not None:
+            raise Refused(f"{e.op} with a dtype")
+        (_, src), = e.tensor_args()
+        expr, _, per_row = operand(src)
+        if per_row:
+            raise Refused(f"{e.op} of a per-row value")
+        acc = f"s{e.index}_"
+        steps.append(Step("reduce", acc, expr, _REDUCE[e.op]))
+        value = acc
+        if e.op == "mean":
+            # aten's CUDA mean multiplies by a float 1/n; its CPU mean divides by n.
+            value = f"__fmul_rn({acc}, {flit(1.0 / n)})" if target == "cuda" else f"{acc} / {flit(n)}"
+        name = f"r{e.index}_"
+        steps.append(Step("let", name, _round(value, e.outs[0].dtype)))
+        row[e.index] = name
+
+    def axes(self, plan, target):
+        return row_axes(plan, target)
+
+    def pick_default(self, plan, axes, target):
+        return row_default(plan, axes, target)
+
+    def emit(self, card, plan, target, params):
+        return render_rows(card, target, plan, params)
+
+
+# --- fused.indexed -------------------------------------------------------------------------------------
+
+
+class _Emitter:
+    """Statements computing a chain value at an index, through views and cats (index math)."""
+
+    def __init__(self, card: Card, chain: list[Entry], target: str, itype: str):
+        self.card, self.chain, self.target, self.itype = card, chain, target, itype
+        self.count = 0
+
+    def fresh(self) -> str:
+        self.count += 1
+        return f"v{self.count}_"
+
+    def value(self, ref: list, idx: list[str], out: list[str], memo: dict) -> tuple[str, str]:
+        """(float variable holding the value of `ref` at index `idx`, dtype); statements go to `out`."""
+        key = (tuple(ref), tuple(idx))
+        meta = meta_of(self.card, self.chain, ref)
+        if key in memo:
+            return memo[key], meta.dtype
+        if ref[0] == "in":
+            off = " + ".join(f"({i}) * {s}u" for i, s, n in zip(idx, meta.stride, meta.shape, strict=True)
+                             if n != 1 and s != 0) or "0u"
+            name = self.fresh()
+            out.append(f"const float {name} = fp_ld(p.in{ref[1]}[{off}]);")
+            memo[key] = name
+            return name, meta.dtype
+        e = self.chain[ref[1]]
+        if ref[2] != 0:
+            raise Refused(f"output {ref[2]} of {e.op} is used")
+        if e.op in _VIEWS:
+            (_, src), = e.tensor_args()
+            src_meta = meta_of(self.card, self.chain, src)
+            name, dt = self.value(src, self._view_index(e, meta, src_meta, idx), out, memo)
+        elif e.op == "cat":
+            name = self._cat(e, meta, idx, out, memo)
+            dt = meta.dtype
+        else:
+            operands = {}
+            for arg_name, src in e.tensor_args():
+                src_meta = meta_of(self.card, self.chain, src)
+                operands[arg_name] = self.value(src, self._broadcast_index(e, src_meta, meta, arg_name, idx), out,
+                                                memo)
+            name = self.fresh()
+            out.append(f"const float {name} = {elementwise_expr(e, operands, self.target)};")
+            dt = meta.dtype
+        memo[key] = name
+        return name, dt
+
+    @staticmethod
+    def _broadcast_index(e: Entry, src: TensorMeta, out: TensorMeta, arg_name: str, idx: list[str]) -> list[str]:
+        if e.op in _BN and arg_name != "input":
+            if len(src.shape) != 1 or len(out.shape) < 2:
+                raise Refused("batch norm parameters are not [C]")
+            return [idx[1]]
+        lead = len(out.shape) - len(src.shape)
+        if lead < 0:
+            raise Refused(f"{e.op} operand of higher rank than its output")
+        return ["0" if n == 1 else idx[lead + d] for d, n in enumerate(src.shape)]
+
+    def _view_index(self, e: Entry, out: TensorMeta, src: TensorMeta, idx: list[str]) -> list[str]:
+        nd_in, nd_out = len(src.shape), len(out.shape)
+        op = e.op
+        if out.shape == src.shape and op not in ("transpose", "permute", "t", "slice", "select"):
+            return idx
+        if op == "unsqueeze":
+            d = e.value("dim") % nd_out
+            return idx[:d] + idx[d + 1:]
+        if op == "slice":
+            d = e.value("dim", 0) % nd_in
+            size, step = src.shape[d], e.value("step", 1)
+            start = e.value("start")
+            start = 0 if start is None else start
+            start = max(0, min(size, start + size if start < 0 else start))
+            if step != 1:
+                raise Refused("a strided slice")
+            return [f"({i} + {start}u)" if k == d and start else i for k, i in enumerate(idx)]
+        if op == "select":
+            d = e.value("dim") % nd_in
+            index = e.value("index") % src.shape[d]
+            return [*idx[:d], f"{index}u", *idx[d:]]
+        if op == "expand":
+            lead = nd_out - nd_in
+            return ["0" if n == 1 else idx[lead + k] for k, n in enumerate(src.shape)]
+        if op in ("transpose", "t"):
+            d0, d1 = (0, 1) if op == "t" else (e.value("dim0") % nd_in, e.value("dim1") % nd_in)
+            out_idx = list(idx)
+            out_idx[d0], out_idx[d1] = idx[d1], idx[d0]
+            return out_idx
+        if op == "permute":
+            dims = [d % nd_in for d in e.value("dims")]
+            src_idx = [""] * nd_in
+            for k, d in enumerate(dims):
+                src_idx[d] = idx[k]
+            return src_idx
+        if op in ("view", "_unsafe_view", "reshape", "_reshape_alias", "flatten", "squeeze"):
+            return self._relinearise(out.shape, src.shape, idx)
+        if op in ("alias", "detach"):
+            return idx
+        raise Refused(f"view {op}")
+
+    def _relinearise(self, out_shape, in_shape, idx: list[str]) -> list[str]:
+        """Row-major element order is what view/reshape keep: linear index, then the input's coords."""
+        if [n for n in out_shape if n != 1] == [n for n in in_shape if n != 1]:
+            kept = [i for i, n in zip(idx, out_shape, strict=True) if n != 1]
+            it = iter(kept)
+            return ["0" if n == 1 else next(it) for n in in_shape]
+        terms, stride = [], 1
+        for i, n in reversed(list(zip(idx, out_shape, strict=True))):
+            if n != 1:
+                terms.append(f"({i}) * {stride}u" if stride != 1 else f"({i})")
+            stride *= n
+        lin = " + ".join(reversed(terms)) or "0u"
+        coords, rest = [], f"({self.itype})({lin})"
+        for n in reversed(in_shape):
+            coords.append("0" if n == 1 else f"(({rest}) % {n}u)")
+            rest = f"(({rest}) / {n}u)"
+        return list(reversed(coords))
+
+    def _cat(self, e: Entry, meta: TensorMeta, idx: list[str], out: list[str], memo: dict) -> str:
+        refs = e.args["tensors"]["refs"]
+        nd = len(meta.shape)
+        d = e.value("dim", 0) % nd
+        name = self.fresh()
+        out.append(f"float {name};")
+        start, branches = 0, []
+        for ref in refs:
+            m = meta_of(self.card, self.chain, ref)
+            if m.numel == 0:
+                continue
+            if len(m.shape) != nd:
+                raise Refused("cat of inputs of another rank")
+            sub = list(idx)
+            sub[d] = f"({idx[d]} - {start}u)" if start else idx[d]
+            body: list[str] = []
+            value, _ = self.value(ref, sub, body, dict(memo))  # names made inside a branch stay there
+            cond = f"{idx[d]} < {start + m.shape[d]}u"
+            branches.append((cond, [*body, f"{name} = {value};"]))
+            start += m.shape[d]
+        if start != meta.shape[d]:
+            raise Refused("cat inputs do not fill the output")
+        for k, (cond, body) in enumerate(branches):
+            if k == 0:
+                out.append(f"if ({cond}) {{" if len(branches) > 1 else "{")
+            elif k == len(branches) - 1:
+                out.append("} else {")
+            else:
+                out.append(f"}} else if ({cond}) {{")
+            out += ["  " + s for s in body]
+        out.append("}")
+        return name
+
+
+class IndexedFusion(FusedTemplate):
+    """Every output element evaluates the chain through index math (see the module docstring)."""
+
+    def plan(self, card: Card, target: str):
+        chain = entries(card)
+        if any(e.op in _REDUCE for e in chain if e.index in _used(card, chain)):
+            raise Refused("a reduction (fused.rows serves those)")
+        outs = card.outputs
+        biggest = max([o.numel for o in outs] + [m.span() for m in card.tensor_inputs() if m is not None])
+        itype = "uint32_t" if biggest + (1 << 20) < (1 << 31) else "uint64_t"
+        bodies = []
+        for j, (ref, meta) in enumerate(zip(card.fusion["outputs"], outs, strict=True)):
+            if meta.dtype not in COMPUTE_DTYPES:
+                raise Refused(f"output dtype {meta.dtype}")
+            em = _Emitter(card, chain, target, itype)
+            idx = [f"c{d}_" for d in range(len(meta.shape))]
+            stmts: list[str] = []
+            value, _ = em.value(ref, idx, stmts, {})
+            off = " + ".join(f"c{d}_ * {s}u" for d, (n, s) in enumerate(zip(meta.shape, meta.stride, strict=True))
+                             if n != 1) or "0u"
+            t = ctype(meta.dtype, target)
+            stmts.append(f"p.out{j}[{off}] = fp_st<{t}>({value});")
+            bodies.append((meta, stmts))
+        return {"itype": itype, "bodies": bodies}
+
+    def axes(self, plan, target):
+        return {} if target == "cpu" else {"block": [64, 128, 256, 512]}
+
+    def pick_default(self, plan, axes, target):
+        return {} if target == "cpu" else {"block": 256}
+
+    def emit(self, card, plan, target, params):
+        itype = plan["itype"]
+        ins, outs = card.tensor_inputs(), card.outputs
+        fields, inits = [], []
+        restrict = " __restrict__" if target == "cuda" else ""
+        for i, m in enumerate(ins):
+            t = ctype(m.dtype, target)
+            fields.append(f"const {t}*{restrict} in{i};")
+            inits.append(f"p.in{i} = (const {t}*)call->inputs[{i}].data;")
+        for j, m in enumerate(outs):
+            t = ctype(m.dtype, target)
+            fields.append(f"{t}*{restrict} out{j};")
+            inits.append(f"p.out{j} = ({t}*)call->outputs[{j}].data;")
+        head = prelude(target) + f"\ntypedef {itype} fp_idx;\nstruct fp_args {{ {' '.join(fields)} }};\n"
+        funcs = []
+        for j, (meta, stmts) in enumerate(plan["bodies"]):
+            coords = _coords(meta.shape, itype)
+            body = "\n  ".join(coords + stmts)
+            funcs.append(f"\nFP_FN void fp_out{j}(const fp_args& p, {itype} e_) {{\n  {body}\n}}\n")
+        code = head + "".join(funcs)
+        sizes = [m.numel for m, _ in plan["bodies"]]
+        if target == "cpu":
+            loops = " ".join(f"for ({itype} e_ = 0; e_ < {n}u; ++e_) fp_out{j}(p, e_);" for j, n in enumerate(sizes))
+            return code + entry(card, target, "fp_args p;\n  " + "\n  ".join(inits) + f"\n  {loops}\n  "
+                                + launch_status(target))
+        block = params["block"]
+        dispatch, total = [], 0
+        for j, n in enumerate(sizes):
+            blocks = ceil_div(n, block)
+            dispatch.append(f"  if (b < {blocks}u) {{ const {itype} e_ = b * {block}u + threadIdx.x; "
+                            f"if (e_ < {n}u) fp_out{j}(p, e_); return; }} b -= {blocks}u;")
+            total += blocks
+        code += (f"\n__global__ void __launch_bounds__({block}) fp_indexed(const fp_args p) {{\n"
+                 f"  {itype} b = blockIdx.x;\n" + "\n".join(dispatch) + "\n}\n")
+        launch = ("fp_args p;\n  " + "\n  ".join(inits) + f"\n  fp_indexed<<<{total}u, {block}, 0, stream>>>(p);\n  "
+                  + launch_status(target))
+        return code + entry(card, target, launch)
+
+
+def _coords(shape: tuple[int, ...], itype: str) -> list[str]:
+    """Statements defining c<d>_, the coordinates of the linear (row-major) index e_."""
+    if not shape:
+        return []
+    lines = [f"{itype} r_ = e_;"]
+    for d in range(len(shape) - 1, 0, -1):
+        lines.append(f"const {itype} c{d}_ = r_ % {shape[d]}u; r_ /= {shape[d]}u;")
+    lines.append(f"const {itype} c0_ = r_;")
+    return lines
+
+
+TEMPLATES = (
+    PointwiseFusion("fused.pointwise", "fused", ("cuda", "cpu"), FUSION_OPS),
+    RowsFusion("fused.rows", "fused", ("cuda", "cpu"), FUSION_OPS),
+    IndexedFusion("fused.indexed", "fused", ("cuda", "cpu"), FUSION_OPS),
+)
+
+__all__ = ["DTYPE_SIZES", "FLOATS", "FUSION_OPS", "TEMPLATES", "elementwise_expr", "entries", "index_type"]
