@@ -13,7 +13,7 @@ from forgepack.recipe import Recipe
 from forgepack.workspace import Workspace
 
 # Progress goes to stderr so stdout stays clean for --json; tables keep their width when piped.
-console = Console(stderr=True)
+console = Console(stderr=True, width=None if sys.stderr.isatty() else 160)
 out = Console(width=None if sys.stdout.isatty() else 160)
 
 
