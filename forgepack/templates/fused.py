@@ -43,7 +43,7 @@ from forgepack.templates.common import (
     launch_status,
     prelude,
 )
-from forgepack.templates.rowreduce import Param, RowProgram, Step, build_rows, render_rows, row_axes, row_default
+from forgepack.templates.rowreduce import Param, RowProgram, RowTemplate, Step, build_rows
 
 PATTERNS = ("rmsnorm", "layernorm", "softmax", "rotary", "gated_act", "bn_act", "add_act", "gelu_tanh", "chain")
 FUSION_OPS = tuple(f"fusion.{p}.default" for p in PATTERNS)
@@ -380,7 +380,7 @@ def _pointwise_job(card: Card, chain: list[Entry], target: str, form: str) -> ew
 # --- fused.rows --------------------------------------------------------------------------------------------
 
 
-class RowsFusion(FusedTemplate):
+class RowsFusion(FusedTemplate, RowTemplate):  # the row engine's axes, defaults and renderer
     """Elementwise ops and last-dim reductions as a row program (see the module docstring)."""
 
     def plan(self, card: Card, target: str):
@@ -501,15 +501,6 @@ class RowsFusion(FusedTemplate):
         name = f"r{e.index}_"
         steps.append(Step("let", name, _round(value, e.outs[0].dtype)))
         row[e.index] = name
-
-    def axes(self, plan, target):
-        return row_axes(plan, target)
-
-    def pick_default(self, plan, axes, target):
-        return row_default(plan, axes, target)
-
-    def emit(self, card, plan, target, params):
-        return render_rows(card, target, plan, params)
 
 
 # --- fused.indexed -------------------------------------------------------------------------------------

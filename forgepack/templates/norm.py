@@ -19,13 +19,11 @@ from forgepack.templates.elementwise import Job, pointwise_axes, pointwise_defau
 from forgepack.templates.rowreduce import (
     Param,
     RowProgram,
+    RowTemplate,
     Step,
     build_rows,
     mean_output_steps,
     norm_steps,
-    render_rows,
-    row_axes,
-    row_default,
 )
 
 
@@ -95,7 +93,7 @@ class BatchNormTemplate(Template):
         return render_pointwise(card, target, jobs, params)
 
 
-class GroupNormTemplate(Template):
+class GroupNormTemplate(RowTemplate):  # the row engine's axes, defaults and renderer
     def plan(self, card: Card, target: str):
         ins = card.tensor_inputs()
         x, w, b = ins[:3]
@@ -140,15 +138,6 @@ class GroupNormTemplate(Template):
         lets = (f"const uint32_t g_ = (uint32_t)(row % {g}u); (void)g_;",
                 "const float sh_ = fp_ld(p.in0[xo_]); (void)sh_;")
         return RowProgram(rows, size, outer, xv, 0, outs, routs, tuple(params), regs + tail, loop + tail, lets)
-
-    def axes(self, plan, target):
-        return row_axes(plan, target)
-
-    def pick_default(self, plan, axes, target):
-        return row_default(plan, axes, target)
-
-    def emit(self, card, plan, target, params):
-        return render_rows(card, target, plan, params)
 
 
 TEMPLATES = (
