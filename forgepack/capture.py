@@ -168,9 +168,9 @@ class _Recorder(TorchDispatchMode):
         op, schema, encoded, tensors = encode(func, args, kwargs)
         key = (op, tuple(a.key() for a in encoded))
         variant = self.variants.get(key)
-        kept = 0 if variant is None else len(variant.sample_sets)
-        want_sample = self.keep_samples and kept < samples_mod.MAX_SAMPLES_PER_CARD
-        inputs = [None if t is None else samples_mod.window(t).cpu() for t in tensors] if want_sample else None
+        inputs = None
+        if self._wants(variant, tensors):
+            inputs = [None if t is None else samples_mod.window(t).cpu() for t in tensors]
         if variant is None:
             _, _, encoded, _ = encode(func, args, kwargs, with_stats=True)  # stats from the first call only
         refs = tuple(self.ref(t) for t in tensors)  # before the call: an in-place op rebinds its output
@@ -180,9 +180,9 @@ class _Recorder(TorchDispatchMode):
         for k, o in enumerate(outputs):
             self.sources[o] = ("call", index, k)
         path = fold_path(self.module_stack[-1]) if self.module_stack else "<model>"
-        self.records.append(CallRecord(op, schema, encoded, refs, tuple(samples_mod.meta_of(o) for o in outputs), path))
+        metas = tuple(samples_mod.meta_of(o) for o in outputs)
+        self.records.append(CallRecord(op, schema, encoded, refs, metas, path))
         if variant is None:
-            metas = tuple(samples_mod.meta_of(t) for t in outputs)
             variant = self.variants[key] = _Variant(op, schema, encoded, metas)
             self.order.append(key)
         variant.calls += 1
@@ -191,6 +191,17 @@ class _Recorder(TorchDispatchMode):
         if inputs is not None:
             self._keep(variant, tensors, inputs, outputs)
         return result
+
+    def _wants(self, variant: _Variant | None, tensors: list) -> bool:
+        """Whether this call's inputs may become a sample, judged from metadata before anything is copied
+        (an embedding weight or logits can be hundreds of MB: copying them to the host only to drop
+        them cost more than the capture itself)."""
+        kept = 0 if variant is None else len(variant.sample_sets)
+        if not self.keep_samples or kept >= samples_mod.MAX_SAMPLES_PER_CARD:
+            return False
+        size = sum(samples_mod._span(t.shape, t.stride()) * t.element_size() for t in tensors if t is not None)
+        room = samples_mod.MAX_BYTES_PER_WORKSPACE - self.sample_bytes
+        return size <= samples_mod.MAX_BYTES_PER_CARD and size <= room
 
     def _keep(self, variant: _Variant, tensors: list, inputs: list, outputs: list) -> None:
         size = sum(t.numel() * t.element_size() for t in inputs if t is not None)
