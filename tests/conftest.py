@@ -34,9 +34,8 @@ def isolated_dirs(tmp_path_factory, monkeypatch):
     yield home
 
 
-# Source files may appear while people edit the tree during a test run; artefacts a test could leave
-# (workspaces, wheels, objects, reports) are what this check is for.
-_SOURCE = (".py", ".md", ".toml", ".cu", ".cpp", ".h", ".sh", ".txt", ".cfg")
+# Caches that Python and the tools themselves write; anything else new after the run was left by a test.
+_TOOL_CACHES = ("__pycache__", ".egg-info", ".pytest_cache", ".ruff_cache")
 
 
 def _untracked() -> set[str]:
@@ -45,7 +44,7 @@ def _untracked() -> set[str]:
         cwd=REPO, capture_output=True, text=True, check=False,
     ).stdout
     paths = {line[3:] for line in out.splitlines()}
-    return {p for p in paths if not p.endswith(_SOURCE) and "__pycache__" not in p and ".egg-info" not in p}
+    return {p for p in paths if not any(cache in p for cache in _TOOL_CACHES)}
 
 
 @pytest.fixture(scope="session", autouse=True)
