@@ -444,14 +444,20 @@ def _matching(module: Any, checks: list) -> Site | None:
 # --- glue forwards: the original's code, with the chain between children replaced --------------------
 
 
+def _glue_site(forward: Callable, module: Any, cls: type, args: tuple, kwargs: dict, checks: list) -> Any:
+    """The site a glue forward serves for this call, or None (then the original forward runs): the exact
+    class, eval mode, the one-positional-argument call form the glue was verified for, not switched off,
+    and the config facts of a site holding."""
+    if type(module) is not cls or module.training or len(args) != 1 or kwargs or _OFF in forward.__dict__:
+        return None
+    return _matching(module, checks)
+
+
 def _gated_mlp(patches: ModulePatches, cls: type, original: Callable, checks: list) -> Callable:
     """`down_proj(act_fn(gate_proj(x)) * up_proj(x))`: act(gate) * up is the chain."""
 
     def forward(module, *args, **kwargs):
-        site = None
-        if type(module) is cls and not module.training and len(args) == 1 and not kwargs \
-                and _OFF not in forward.__dict__:
-            site = _matching(module, checks)
+        site = _glue_site(forward, module, cls, args, kwargs, checks)
         if site is None:
             return original(module, *args, **kwargs)
         x, mods = args[0], module._modules  # children by dict: nn.Module.__getattr__ costs microseconds
@@ -474,10 +480,7 @@ def _conv_bn_act(patches: ModulePatches, cls: type, original: Callable, checks: 
     """`activation(normalization(convolution(x)))` with an eval-mode batch norm: BN + act is the chain."""
 
     def forward(module, *args, **kwargs):
-        site = None
-        if type(module) is cls and not module.training and len(args) == 1 and not kwargs \
-                and _OFF not in forward.__dict__:
-            site = _matching(module, checks)
+        site = _glue_site(forward, module, cls, args, kwargs, checks)
         if site is None:
             return original(module, *args, **kwargs)
         mods = module._modules
@@ -503,10 +506,7 @@ def _residual_act(patches: ModulePatches, cls: type, original: Callable, checks:
     """`h = layer(x); h += shortcut(x); activation(h)`: the add and the activation are the chain."""
 
     def forward(module, *args, **kwargs):
-        site = None
-        if type(module) is cls and not module.training and len(args) == 1 and not kwargs \
-                and _OFF not in forward.__dict__:
-            site = _matching(module, checks)
+        site = _glue_site(forward, module, cls, args, kwargs, checks)
         if site is None:
             return original(module, *args, **kwargs)
         mods = module._modules
