@@ -858,3 +858,24 @@ def test_gpu_input_writes_and_enable_on_a_model(cuda_llama):
         assert gf.stats()["replays"] == 2 and all(torch.allclose(o, outs[0], atol=1e-4) for o in outs)
     finally:
         graphs.disable(cuda_llama)
+
+
+@pytest.mark.gpu
+def test_gpu_a_failed_capture_leaves_the_shared_pool_and_the_rng_usable():
+    """Regression (torch 2.11): a capture invalidated by a host sync left the shared pool "already
+    recording" and the CUDA generator in capture mode, so the next capture and every random op failed."""
+    bad = graphs.GraphedForward(Syncs().cuda(), warmup=1)
+    model = Mlp(64).cuda().eval()
+    good = graphs.GraphedForward(model, warmup=1)
+    x = torch.randn(8, device="cuda")
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(3):
+            assert torch.equal(bad(x), Syncs()(x))
+    assert bad.stats()["fallbacks"] == 1
+    torch.randn(4, device="cuda").uniform_()  # the generator left capture mode
+    y = torch.randn(2, 64, device="cuda")
+    with torch.no_grad():
+        for _ in range(3):
+            assert torch.allclose(good(y)["y"], model(y)["y"], atol=1e-5)
+    assert good.stats()["captures"] == 1 and good.stats()["fallbacks"] == 0, good.stats()

@@ -415,7 +415,8 @@ def summary_line(result: PackResult) -> str:
     s = result.gate_summary
     text = f"{len(result.kept)} kernels kept, {len(result.dropped)} dropped"
     if s.get("stock_ms"):
-        text += f"; model {s['stock_ms']:.2f} ms stock, {s['pack_ms']:.2f} ms with the pack ({s['speedup']:.3f}x)"
+        text += f"; model {s['stock_ms']:.2f} ms stock, {s['pack_ms']:.2f} ms with the pack ({s['speedup']:.3f}x"
+        text += ", both replayed from CUDA graphs)" if s.get("timed_under") == "graphs" else ")"
     return text + (f"; wheel: {result.wheel}" if result.wheel else "; no wheel written")
 
 

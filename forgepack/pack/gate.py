@@ -10,7 +10,10 @@ Run in a subprocess (`python -m forgepack.pack.gate`), so the build process neve
 2. Use: a kernel whose guard never fires during a forward is dropped (it only costs guard checks).
 3. Pay (mode "full"): model time with the pack, without it, and without each kernel in turn, in
    interleaved rounds (order shuffled per round); a kernel whose removal does not slow the model is
-   dropped: on a launch-bound model, a kernel faster in isolation can be slower end to end.
+   dropped: on a launch-bound model, a kernel faster in isolation can be slower end to end. On CUDA,
+   when the forward replays correctly from a CUDA graph with the kernels active (`check_graphs`),
+   every configuration is timed under graph replay, each from its own graph: that is how such a
+   model is served, and in eager mode launch overhead hides the GPU time a kernel saves.
 
 `decide` (pure) turns the measurements into keep/drop decisions with reasons; the parent
 (`forgepack.pack.builder`) rebuilds the pack from what is kept and runs mode "verify" on it.
@@ -81,8 +84,9 @@ class GateOutcome:
 # --- pure decisions ------------------------------------------------------------------------------------
 
 
-def decide_pay(ids: list[str], timing: Timing) -> tuple[list[str], dict[str, str], dict[str, list[float]]]:
-    """Keep a kernel when the model is slower without it (median paired ratio above 1)."""
+def decide_pay(ids: list[str], timing: Timing, under: str = "") -> tuple[list[str], dict[str, str], dict[str, list]]:
+    """Keep a kernel when the model is slower without it (median paired ratio above 1); `under` says
+    how the model was timed, for the reasons."""
     kept, dropped, ratios = [], {}, {}
     for vid in ids:
         ratio, low, high = timing.ratio(f"without:{vid}", "pack")
@@ -91,7 +95,8 @@ def decide_pay(ids: list[str], timing: Timing) -> tuple[list[str], dict[str, str
             kept.append(vid)
         else:
             faster = (1 / ratio - 1) * 100
-            dropped[vid] = (f"does not pay end to end: the model is {faster:.1f}% faster without it "
+            dropped[vid] = (f"does not pay end to end: the model is {faster:.1f}% faster without it"
+                            f"{' ' + under if under else ''} "
                             f"(time without/with {ratio:.3f}, 95% CI {low:.3f}-{high:.3f})")
     return kept, dropped, ratios
 
@@ -216,11 +221,42 @@ def count_hits(lm, pack, ids: list[str]) -> dict[str, int]:
     return {i: after[i]["hits"] - before[i]["hits"] for i in ids}
 
 
-def measure(lm, pack, configs: dict[str, set[str] | None], rounds: int, reps: int, seed: int = 0) -> Timing:
-    """Per-round median model time (ms) for each config; None = stock (pack deactivated)."""
+class _Forward:
+    """One timed forward of a configuration: eager, or replayed from a CUDA graph captured with exactly
+    that configuration's kernels active (one graph per configuration, built on first use)."""
+
+    def __init__(self, lm, pack, graphed: bool):
+        self.lm, self.pack, self.graphed = lm, pack, graphed
+        self._graphs: dict[str, Any] = {}
+
+    def __call__(self, name: str) -> None:
+        if not self.graphed:
+            self.lm.run()
+            return
+        import torch
+
+        if name not in self._graphs:
+            runtime = importlib.import_module(f"{self.pack.__name__}.graphs")
+            self._graphs[name] = runtime.GraphedForward(runtime.eager_forward(self.lm.model), copy_outputs=False)
+            for _ in range(runtime.DEFAULT_WARMUP + 1):  # warm-up calls, then the capture
+                self(name)
+        with torch.no_grad():
+            self._graphs[name](**self.lm.inputs)
+        self.lm.reset()
+
+    def failures(self) -> dict[str, str]:
+        """Configurations whose forward could not be captured (they ran eagerly: their timings mislead)."""
+        return {name: "; ".join(g.failures.values()) for name, g in self._graphs.items() if g.failures}
+
+
+def measure(lm, pack, configs: dict[str, set[str] | None], rounds: int, reps: int, seed: int = 0,
+            graphed: bool = False) -> Timing:
+    """Per-round median model time (ms) for each config; None = stock (pack deactivated). `graphed`:
+    each config's forward is replayed from its own CUDA graph, so GPU time counts, not launches."""
     rng = random.Random(seed)
     names = list(configs)
     times: dict[str, list[float]] = {n: [] for n in names}
+    forward = _Forward(lm, pack, graphed)
     for _ in range(rounds):
         rng.shuffle(names)
         for name in names:
@@ -230,17 +266,35 @@ def measure(lm, pack, configs: dict[str, set[str] | None], rounds: int, reps: in
             else:
                 pack.activate(strict=True)
                 pack.enable_only(ids)
-            lm.run()  # warm-up after switching
+            forward(name)  # warm-up after switching
             samples = []
             for _ in range(reps):
                 _sync(lm.device)
                 t0 = time.perf_counter()
-                lm.run()
+                forward(name)
                 _sync(lm.device)
                 samples.append((time.perf_counter() - t0) * 1e3)
             times[name].append(statistics.median(samples))
     pack.deactivate()
+    failed = forward.failures()
+    if failed:
+        raise GraphTimingFailed(f"graph capture failed while timing: {failed}")
     return Timing(times)
+
+
+class GraphTimingFailed(ForgepackError):
+    """A configuration could not be captured although the graph check passed; time eagerly instead."""
+
+
+def measure_best(lm, pack, configs: dict[str, set[str] | None], rounds: int, reps: int, seed: int,
+                 graphed: bool) -> tuple[Timing, bool]:
+    """`measure` under graph replay when asked and possible, else eagerly; (timing, timed under graphs)."""
+    if graphed:
+        try:
+            return measure(lm, pack, configs, rounds, reps, seed, graphed=True), True
+        except GraphTimingFailed as err:
+            print(f"gate: {err}; timing eagerly", file=sys.stderr)
+    return measure(lm, pack, configs, rounds, reps, seed), False
 
 
 def evaluate(lm, pack, mode: str, rounds: int = ROUNDS, reps: int = REPS) -> GateOutcome:
@@ -267,18 +321,29 @@ def evaluate(lm, pack, mode: str, rounds: int = ROUNDS, reps: int = REPS) -> Gat
     dropped.update(unused)
     ratios: dict[str, list[float]] = {}
     summary: dict[str, Any] = {}
+    # On CUDA, kernels are judged under graph replay when the forward is capture-safe with them: that is
+    # how a launch-bound model should be served (activate(graphs=True)), and in eager mode launch
+    # overhead hides every microsecond of GPU time a kernel saves (MEASUREMENTS.md).
+    verdict = check_graphs(lm, pack, set(keep)) if keep and lm.device.type == "cuda" else None
+    graphed = bool(verdict and verdict["enabled"])
     if mode == "full" and keep:
         configs = {"stock": None, "pack": set(keep), **{f"without:{i}": set(keep) - {i} for i in keep}}
-        timing = measure(lm, pack, configs, rounds, reps)
-        keep, slow, ratios = decide_pay(keep, timing)
+        timing, graphed = measure_best(lm, pack, configs, rounds, reps, 0, graphed)
+        under = "under CUDA graph replay" if graphed else "in eager mode"
+        kept_now, slow, ratios = decide_pay(keep, timing, under)
         dropped.update(slow)
+        if kept_now != keep and kept_now and verdict is not None:
+            verdict = check_graphs(lm, pack, set(kept_now))
+        keep = kept_now
     if keep:
-        final = measure(lm, pack, {"stock": None, "pack": set(keep)}, rounds, reps, seed=1)
+        graphed = graphed and bool(verdict and verdict["enabled"])
+        final, graphed = measure_best(lm, pack, {"stock": None, "pack": set(keep)}, rounds, reps, 1, graphed)
         ratio, low, high = final.ratio("stock", "pack")
         summary = {"stock_ms": final.median("stock"), "pack_ms": final.median("pack"), "speedup": ratio,
-                   "ci": [low, high], "rounds": rounds, "reps": reps}
-        if lm.device.type == "cuda":
-            summary["graphs"] = check_graphs(lm, pack, set(keep))
+                   "ci": [low, high], "rounds": rounds, "reps": reps,
+                   "timed_under": "graphs" if graphed else "eager"}
+        if verdict is not None:
+            summary["graphs"] = verdict
     pack.deactivate()
     return GateOutcome(tuple(keep), dropped, hits, ratios, outputs, summary)
 

@@ -553,6 +553,32 @@ def shared_pool(device: torch.device | None = None) -> GraphPool:
 _FAILED: list = []
 
 
+def recover_failed_capture(pool: GraphPool, device: torch.device) -> None:
+    """Undo what a failed capture leaves behind in PyTorch (seen on torch 2.11), so the process goes on.
+
+    - The allocator: when `cudaStreamEndCapture` fails (a host sync invalidated the capture),
+      `capture_end` raises before it tells the allocator that the pool's recording is over, and every
+      later capture into that pool fails with "beginAllocateToPool: already recording to mempool_id".
+      Ending the recording ourselves clears it; if that is not possible, the device's shared pool is
+      replaced (graphs already in the old one stay valid).
+    - The RNG: `capture_begin` puts the CUDA generator in capture mode, and a failed capture never
+      takes it out, so every later random op fails with "Offset increment outside graph capture".
+    """
+    try:
+        torch._C._cuda_endAllocateToPool(device.index, pool.handle)
+    except Exception as err:
+        if "not currently recording" not in str(err):
+            _retire_pool(pool)
+    heal_capture_state(device)
+
+
+def _retire_pool(pool: GraphPool) -> None:
+    with _POOLS_LOCK:
+        for index, shared in list(_POOLS.items()):
+            if shared is pool:
+                del _POOLS[index]
+
+
 def heal_capture_state(device: torch.device) -> None:
     """Undo what a failed capture leaves behind in PyTorch (seen on torch 2.11, and reported widely).
 
@@ -598,21 +624,20 @@ class _CudaBackend:
         # The stream context restores the caller's stream even when capture_end raises (torch.cuda.graph
         # does not). "thread_local": other threads' CUDA calls stay legal while this one captures.
         with torch.cuda.device(device), torch.cuda.stream(pool.stream):
-            graph.capture_begin(pool=pool.handle, capture_error_mode="thread_local")
             try:
-                outputs = fn(*args, **kwargs)
-            except BaseException:
-                with contextlib.suppress(Exception), warnings.catch_warnings():
-                    warnings.simplefilter("ignore")  # the caller gets one warning, ours
-                    graph.capture_end()
-                _FAILED.append(graph)  # never destroyed: its pool bookkeeping is inconsistent after a failure
-                heal_capture_state(device)
-                raise
-            try:
+                # capture_begin is inside the try: it puts the RNG in capture mode before it can fail
+                graph.capture_begin(pool=pool.handle, capture_error_mode="thread_local")
+                try:
+                    outputs = fn(*args, **kwargs)
+                except BaseException:  # the forward's own error is the one to report
+                    with contextlib.suppress(Exception), warnings.catch_warnings():
+                        warnings.simplefilter("ignore")
+                        graph.capture_end()
+                    raise
                 graph.capture_end()
             except BaseException:
-                _FAILED.append(graph)
-                heal_capture_state(device)
+                _FAILED.append(graph)  # never destroyed: its pool bookkeeping is inconsistent after a failure
+                recover_failed_capture(pool, device)
                 raise
         grown = max(torch.cuda.memory_reserved(device) - reserved, torch.cuda.memory_allocated(device) - allocated)
         return _Captured(graph.replay, outputs, max(grown, 0), graph)
