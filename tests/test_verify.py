@@ -197,3 +197,18 @@ def test_a_card_whose_stock_op_disagrees_is_a_user_error(ev):
     with pytest.raises(ForgepackError, match="card says"):
         ev.evaluate(wrong, RELU, bench=False)
     assert ev.evaluate(card, RELU, bench=False).accepted  # and the evaluator carries on
+
+
+def test_statistics_outputs_treat_nan_and_inf_alike_and_nothing_else():
+    """A layer norm's mean over a row holding inf is NaN (Welford) or inf (two passes): both are
+    accepted for statistics outputs only; a finite value where stock is not finite never is."""
+    ref = torch.tensor([1.0, float("inf"), float("nan"), -float("inf")])
+    other_algo = torch.tensor([1.0, float("nan"), float("inf"), float("nan")])
+    assert verify.compare(other_algo, ref, "float32", stats=True) is None
+    assert verify.compare(other_algo, ref, "float32") is not None  # a normal output: positions must match
+    hidden = torch.tensor([1.0, 3.0e38, float("nan"), -float("inf")])
+    assert verify.compare(hidden, ref, "float32", stats=True)["mismatched"] == 1
+    off = torch.tensor([1.5, float("inf"), float("nan"), -float("inf")])
+    assert verify.compare(off, ref, "float32", stats=True)["mismatched"] == 1
+    assert verify.is_statistic("aten.native_layer_norm.default", 1)
+    assert not verify.is_statistic("aten.native_layer_norm.default", 0)
