@@ -107,7 +107,7 @@ def render(info: dict, entries: list[dict], not_run: list[str]) -> str:
            "torch.compile(mode=\"reduce-overhead\").\n\n")
     md += tabulate(rows, ["recipe", *[f"{c} ms" for c in cols], "kept", "dropped", "build s", "error"],
                    tablefmt="github") + "\n\n"
-    for col in ("pack", "pack+graphs", "compile", "compile-ro"):
+    for col in ("pack", "graphs", "pack+graphs", "compile", "compile-ro"):
         speeds = [e.get("bench", {}).get("columns", {}).get(col, {}).get("speedup") for e in entries]
         g = geomean([s for s in speeds if s])
         if g:
@@ -115,11 +115,12 @@ def render(info: dict, entries: list[dict], not_run: list[str]) -> str:
     for e in entries:
         ratio = {}
         cols_e = e.get("bench", {}).get("columns", {})
-        for a, b in (("pack+graphs", "compile-ro"), ("pack", "compile")):
+        for a, b in (("pack+graphs", "compile-ro"), ("pack+graphs", "compile"), ("pack", "compile")):
             if cols_e.get(a, {}).get("ms") and cols_e.get(b, {}).get("ms"):
                 ratio[f"{a} vs {b}"] = cols_e[b]["ms"] / cols_e[a]["ms"]
         if ratio:
-            md += f"- {e['recipe']}: " + ", ".join(f"{k}: {v:.2f}x" for k, v in ratio.items()) + "\n"
+            md += f"- {e['recipe']} (time of the second over the first): " + ", ".join(
+                f"{k}: {v:.2f}x" for k, v in ratio.items()) + "\n"
     if not_run:
         md += f"\nNot run (time limit): {', '.join(not_run)}\n"
     md += "\n## Kernels kept and dropped\n\n"

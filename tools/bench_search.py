@@ -154,15 +154,18 @@ def main() -> int:
     info = benchlib.meta()
     started = time.monotonic()
     results, md = [], benchlib.header_md("Search: allocator vs uniform split", info)
-    for name in args.recipes:
+    ahead = False
+    for name in args.recipes:  # results are written after every recipe: a time limit keeps what is done
         data, text = one_recipe(name, args, root)
         results.append(data)
         md += text
-    wall = time.monotonic() - started
-    ahead = all(d["arms"]["allocator"]["estimated_gain"] > d["arms"]["uniform"]["estimated_gain"] for d in results)
-    md += f"total wall time: {wall:.0f} s; allocator ahead on every recipe: {ahead}\n"
-    benchlib.write("search", {**info, "wall_s": wall, "allocator_ahead": ahead, "results": results,
-                              "args": vars(args)}, md)
+        wall = time.monotonic() - started
+        ahead = all(d["arms"]["allocator"]["estimated_gain"] > d["arms"]["uniform"]["estimated_gain"]
+                    for d in results)
+        done = f"{len(results)} of {len(args.recipes)} recipes"
+        benchlib.write("search", {**info, "wall_s": wall, "allocator_ahead": ahead, "results": results,
+                                  "args": vars(args)},
+                       md + f"total wall time: {wall:.0f} s ({done}); allocator ahead on every recipe: {ahead}\n")
     if not args.keep:
         shutil.rmtree(root, ignore_errors=True)
     else:

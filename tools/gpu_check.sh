@@ -3,23 +3,27 @@
 # Results land in $OUT (default benchmarks/out) as results.tar.gz + summary.txt (the device returns
 # at most 8 files, so the per-benchmark JSON/markdown files are bundled).
 #
-#   bash tools/gpu_check.sh                 # every stage
-#   bash tools/gpu_check.sh tests profile   # some stages, in this order
+#   bash tools/gpu_check.sh                          # every stage, one after the other, on GPU 0
+#   bash tools/gpu_check.sh tests profile            # some stages, in this order
+#   bash tools/gpu_check.sh 0:tests,graphtests 1:search   # lanes: one per GPU, run side by side
+#
+# A lane `N:a,b,c` runs its stages in order on GPU N (CUDA_VISIBLE_DEVICES=N) with its own results
+# folder ($OUT/laneN/results), forgepack home and cache, so two lanes never share a file. Lanes share
+# the host's CPUs: eager timings are launch-bound and so CPU-sensitive; every benchmark compares its
+# columns interleaved in one process, so the ratios hold, but absolute ms move with the load.
 #
 # Stages: tests graphtests profile evaluate templates search dispatch packs fusion graphs
-#   packs: builds a pack per reference recipe and times eager / pack / graphs / pack+graphs /
-#          torch.compile / reduce-overhead side by side (issues 6, 7, 8), then renders the report of
-#          the Llama prefill build. Knobs: PACK_BUDGET (24), PACK_TIME (seconds before no new recipe
-#          starts, 420), PACK_RECIPES.
+#   packs: builds a pack per recipe and times eager / pack / graphs / pack+graphs / torch.compile /
+#          reduce-overhead side by side (issues 6, 7, 8), then renders the report of the Llama prefill
+#          build when it is among them. Knobs: PACK_BUDGET (24), PACK_TIME (seconds before no new recipe
+#          starts, 300), PACK_RECIPES (the six reference recipes).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-export OUT=${OUT:-benchmarks/out}
-mkdir -p "$OUT/results"
+OUT_ROOT=${OUT:-benchmarks/out}
+mkdir -p "$OUT_ROOT"
 export PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-export FORGEPACK_HOME=${FORGEPACK_HOME:-/tmp/forgepack-home}
-export FORGEPACK_CACHE=${FORGEPACK_CACHE:-/tmp/forgepack-cache}
 export TRANSFORMERS_VERBOSITY=error HF_HUB_OFFLINE=1
 
 # Pure-Python packages the GPU image lacks (tomli_w, anthropic) travel as wheels in .whl/.
@@ -27,25 +31,23 @@ if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/site"
 fi
 
+REFERENCE="llama-1b-prefill qwen2-0.5b-prefill gpt2 vit-base resnet-50 llama-1b-decode"
+
 # stage NAME SECONDS CMD...: each stage has its own time limit, so one slow stage cannot cost the
 # others their turn (the device call has a hard limit, and the results bundle is made at the end).
 stage() {
   local name=$1 limit=$2; shift 2
   local start=$SECONDS
-  echo "=== $name (limit ${limit}s): $*"
+  echo "=== $LANE$name (limit ${limit}s): $*"
   timeout -k 10 "$limit" "$@" 2>&1 | tee "$OUT/results/$name.log"
   local rc=${PIPESTATUS[0]}
-  echo "=== $name: rc=$rc in $((SECONDS - start)) s" | tee -a "$OUT/summary.txt"
+  echo "=== $LANE$name: rc=$rc in $((SECONDS - start)) s" | tee -a "$OUT_ROOT/summary.txt"
 }
 
-REFERENCE="llama-1b-prefill qwen2-0.5b-prefill gpt2 vit-base resnet-50 llama-1b-decode"
-stages=${*:-tests graphtests profile evaluate templates search dispatch packs fusion}
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee -a "$OUT/summary.txt"
-python3 -c 'import torch, transformers; print("torch", torch.__version__, "cuda", torch.version.cuda, "transformers", transformers.__version__)' | tee -a "$OUT/summary.txt"
-
-for s in $stages; do
-  case $s in
-    tests)     stage tests "${TESTS_TIME:-300}" python3 -m pytest -m gpu -q -p no:cacheprovider -rfE --timeout 150 \
+run_stage() {
+  local packs_dir="$FORGEPACK_HOME/packs"
+  case $1 in
+    tests)     stage tests "${TESTS_TIME:-300}" python3 -m pytest -m gpu -q -p no:cacheprovider -rfE --timeout 200 \
                  ${GPU_TESTS:-tests --ignore tests/test_graphs.py} ;;
     graphtests) # its own process: a failed capture must not be able to disturb the other tests
                stage graphtests 120 python3 -m pytest -m gpu -q -p no:cacheprovider -rfE --timeout 100 tests/test_graphs.py ;;
@@ -54,16 +56,42 @@ for s in $stages; do
     templates) stage templates "${TEMPLATES_TIME:-200}" python3 tools/bench_templates.py --budget-s "${TEMPLATES_SEARCH_S:-120}" ;;
     search)    stage search "${SEARCH_TIME:-300}" python3 tools/bench_search.py ${SEARCH_ARGS:-} ;;
     dispatch)  stage dispatch 60 python3 tools/bench_dispatch.py ;;
-    packs)     stage packs "$(( ${PACK_TIME:-300} + 200 ))" python3 tools/bench_packs.py ${PACK_RECIPES:-$REFERENCE} \
+    packs)     local recipes=${PACK_RECIPES:-$REFERENCE}
+               stage packs "$(( ${PACK_TIME:-300} + 200 ))" python3 tools/bench_packs.py $recipes \
                  --budget "${PACK_BUDGET:-24}" --heavy llama-1b-prefill,llama-1b-decode,gpt2,resnet-50 \
-                 --time-limit "${PACK_TIME:-300}" --workdir /tmp/forgepack-packs
-               stage report 60 python3 -m forgepack report /tmp/forgepack-packs/llama-1b-prefill \
-                 --out "$OUT/results/report-llama-1b-prefill.html" ;;
+                 --time-limit "${PACK_TIME:-300}" --workdir "$packs_dir" ${PACK_ARGS:-}
+               if [ -d "$packs_dir/llama-1b-prefill" ]; then
+                 stage report 60 python3 -m forgepack report "$packs_dir/llama-1b-prefill" \
+                   --out "$OUT/results/report-llama-1b-prefill.html"
+               fi ;;
     graphs)    stage graphs "${GRAPHS_TIME:-300}" python3 tools/bench_graphs.py ;;
     fusion)    stage fusion "${FUSION_TIME:-300}" python3 tools/bench_fusion.py --budget-s "${FUSION_BUDGET_S:-230}" ;;
-    *) echo "unknown stage $s" | tee -a "$OUT/summary.txt" ;;
+    *) echo "unknown stage $1" | tee -a "$OUT_ROOT/summary.txt" ;;
   esac
-done
+}
 
-tar -czf "$OUT/results.tar.gz" -C "$OUT" results && rm -rf "$OUT/results"
-cat "$OUT/summary.txt"
+# lane GPU STAGES...: a lane's stages in order, with its own results folder, home and cache.
+lane() {
+  local gpu=$1; shift
+  export CUDA_VISIBLE_DEVICES=$gpu LANE="gpu$gpu/"
+  export OUT="$OUT_ROOT/lane$gpu" FORGEPACK_HOME="/tmp/forgepack-home-$gpu" FORGEPACK_CACHE="/tmp/forgepack-cache-$gpu"
+  mkdir -p "$OUT/results"
+  for s in "$@"; do run_stage "$s"; done
+}
+
+nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader | tee -a "$OUT_ROOT/summary.txt"
+python3 -c 'import torch, transformers; print("torch", torch.__version__, "cuda", torch.version.cuda, "transformers", transformers.__version__)' | tee -a "$OUT_ROOT/summary.txt"
+
+args=${*:-tests graphtests profile evaluate templates search dispatch packs fusion}
+if [[ "$args" == *:* ]]; then
+  for spec in $args; do
+    stages=${spec#*:}
+    ( lane "${spec%%:*}" ${stages//,/ } ) &
+  done
+  wait
+else
+  ( lane 0 $args )
+fi
+
+tar -czf "$OUT_ROOT/results.tar.gz" -C "$OUT_ROOT" $(cd "$OUT_ROOT" && ls -d lane*) && rm -rf "$OUT_ROOT"/lane*
+cat "$OUT_ROOT/summary.txt"
