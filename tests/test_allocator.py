@@ -202,3 +202,56 @@ def test_reach_is_learned_from_what_successes_reached():
     before = allocator.score(card, [card], CFG, prior).gain
     after = allocator.score(card, [card], CFG, learned).gain
     assert after < before
+
+
+def _meta(shape, dtype="float32"):
+    stride = tuple(int(x) for x in __import__("torch").empty(shape).stride())
+    return TensorMeta(dtype, tuple(shape), stride)
+
+
+def _op_card(op: str, out_shape, calls: int, share: float) -> Card:
+    x = _meta(out_shape)
+    return Card(op=op, schema="", args=(Arg("self", "tensor", tensor=x),), outputs=(x,), calls=calls,
+                profile=Profile(eager_us=5.0, total_us=5.0 * calls, share=share, roofline_us=1.0, headroom=5.0))
+
+
+def _fusion_card(ops_and_shapes, calls: int, share: float) -> Card:
+    x = _meta(ops_and_shapes[0][1])
+    chain = tuple({"op": op, "args": [], "outs": [{"dtype": "float32", "shape": list(shape),
+                                                   "stride": list(_meta(shape).stride)}]}
+                  for op, shape in ops_and_shapes)
+    return Card(op="fusion.rmsnorm.default", schema="", args=(Arg("x", "tensor", tensor=x),), outputs=(x,),
+                kind="fusion", calls=calls, chain=chain,
+                profile=Profile(eager_us=30.0, total_us=30.0 * calls, share=share, roofline_us=1.0, headroom=30.0,
+                                baseline="fusion"))
+
+
+def test_ops_inside_an_accepted_fusion_kernel_get_no_budget_and_count_once():
+    """Llama on the H200: the allocator spent most of 100 calls on the pow/mean/rsqrt/mul calls inside
+    RMSNorm after the fused RMSNorm kernel was accepted, and the estimated gain counted both (127%)."""
+    pow_ = _op_card("aten.pow.Tensor_Scalar", (4, 64), calls=8, share=0.2)  # 4 of its 8 calls are in RMSNorm
+    mean = _op_card("aten.mean.dim", (4, 1), calls=4, share=0.1)  # all inside
+    other = _op_card("aten.add.Tensor", (4, 64), calls=4, share=0.05)  # not in the chain
+    fusion = _fusion_card([("aten.pow.Tensor_Scalar", (4, 64)), ("aten.mean.dim", (4, 1))], calls=4, share=0.3)
+    cards = [pow_, mean, other, fusion]
+    cover = allocator.coverage(cards)
+    assert cover[pow_.id] == ((fusion.id, 0.5),) and cover[mean.id] == ((fusion.id, 1.0),)
+    assert other.id not in cover and fusion.id not in cover
+
+    before = allocator.card_states(cards, [])
+    assert allocator.total_gain(before) == 0.0
+    assert allocator.accepted_fusions(before) == frozenset()
+    assert {s.card_id for s in allocator.scores(before, CFG) if s.dropped} == set()  # a hedge until it wins
+
+    won = allocator.card_states(cards, [CallResult(fusion.id, accepted=True, speedup=4.0)])
+    by_id = {s.card_id: s for s in allocator.scores(won, CFG)}
+    assert "fused away" in by_id[mean.id].dropped
+    assert by_id[pow_.id].dropped is None
+    assert by_id[pow_.id].gain == pytest.approx(
+        allocator.score(allocator.card_states([pow_], [])[0], won, CFG).gain * 0.5)
+
+    history = [CallResult(fusion.id, accepted=True, speedup=4.0), CallResult(mean.id, accepted=True, speedup=2.0),
+               CallResult(pow_.id, accepted=True, speedup=2.0)]
+    states = allocator.card_states(cards, history)
+    # fusion 0.3 x 3/4, pow's half outside the chain 0.1 x 1/2, mean nothing (all its calls are fused)
+    assert allocator.total_gain(states) == pytest.approx(0.3 * 0.75 + 0.1 * 0.5)

@@ -47,8 +47,11 @@ stage() {
 run_stage() {
   local packs_dir="$FORGEPACK_HOME/packs"
   case $1 in
-    tests)     stage tests "${TESTS_TIME:-300}" python3 -m pytest -m gpu -q -p no:cacheprovider -rfE --timeout 200 \
-                 ${GPU_TESTS:-tests --ignore tests/test_graphs.py} ;;
+    tests)     # one process per file, each with its own limit: a slow file cannot hide another's failures
+               for f in ${GPU_TESTS:-$(grep -l "mark.gpu\|pytestmark" tests/test_*.py | grep -v test_graphs.py)}; do
+                 stage "tests-$(basename "$f" .py)" "${TESTS_TIME:-200}" python3 -m pytest -m gpu -q -p no:cacheprovider \
+                   -rfE --tb=short --timeout 180 "$f"
+               done ;;
     graphtests) # its own process: a failed capture must not be able to disturb the other tests
                stage graphtests 120 python3 -m pytest -m gpu -q -p no:cacheprovider -rfE --timeout 100 tests/test_graphs.py ;;
     profile)   stage profile "${PROFILE_TIME:-150}" python3 tools/bench_profile.py $REFERENCE ;;

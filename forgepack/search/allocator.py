@@ -22,6 +22,11 @@ highest estimated gain per call:
   other cards of the same class, shrunk into the card's own results (``prior_strength`` pseudo-calls).
   Calls still being evaluated count as failures until their verdict arrives (a virtual loss, so parallel
   slots do not all pile onto one card).
+- Fusion cards overlap operator cards: a fusion card's chain is made of calls that operator cards also
+  count. Once a fusion card has an accepted kernel, the calls inside its chains no longer run, so an
+  operator card's share shrinks by the fraction of its calls those chains cover (`coverage`): the
+  budget is not spent on ops already fused away, and the estimated gain (`total_gain`) counts each
+  call's time once.
 - A card is dropped for good when it is a view (no kernel runs), nothing can write kernels for it, its
   headroom is below the acceptance margin, its best already reached the ceiling, its search space is
   exhausted, or it has gone ``patience`` calls without improving (Ansor drops tasks that stop yielding).
@@ -86,6 +91,8 @@ class CardState:
     successes: float = 0.0  # evaluated calls that improved the best
     pending: int = 0  # calls made whose candidates are not evaluated yet
     since_improvement: int = 0  # evaluated calls since the last improvement (all of them if none)
+    covered: tuple[tuple[str, float], ...] = ()  # (fusion card, fraction of this card's calls in its chains)
+    kind: str = "op"  # "op" | "fusion"
 
     @property
     def evaluated(self) -> int:
@@ -154,6 +161,8 @@ def card_states(
     gives the card its first accepted kernel or beats the best by more than `improvement`.
     """
     exhausted = set(exhausted)
+    cards = list(cards)
+    covers = coverage(cards)
     by_card: dict[str, list[CallResult]] = {}
     for result in history:
         by_card.setdefault(result.card_id, []).append(result)
@@ -190,9 +199,54 @@ def card_states(
                 successes=float(successes),
                 pending=pending,
                 since_improvement=since,
+                covered=covers.get(card.id, ()),
+                kind=card.kind,
             )
         )
     return states
+
+
+def _out_key(op: str, outs: Iterable) -> tuple:
+    return op, tuple((o["dtype"], tuple(o["shape"]), tuple(o["stride"])) for o in outs)
+
+
+def coverage(cards: Sequence[Card]) -> dict[str, tuple[tuple[str, float], ...]]:
+    """For each operator card, the fraction of its calls that each fusion card's chains contain.
+
+    A chain entry is matched to operator cards by op and output layout (the chain records its entries'
+    outputs); where several cards share both (inputs laid out differently), the entry's calls are split
+    in proportion to their calls.
+    """
+    by_key: dict[tuple, list[Card]] = {}
+    for card in cards:
+        if card.kind != "fusion":
+            key = _out_key(card.op, ({"dtype": m.dtype, "shape": m.shape, "stride": m.stride} for m in card.outputs))
+            by_key.setdefault(key, []).append(card)
+    covered: dict[str, dict[str, float]] = {}
+    for fusion in (c for c in cards if c.kind == "fusion"):
+        for entry in fusion.chain:
+            matches = by_key.get(_out_key(entry["op"], entry.get("outs", ())), [])
+            total = sum(c.calls for c in matches)
+            for card in matches:
+                if card.calls and total:
+                    share_of_calls = fusion.calls * card.calls / total / card.calls
+                    mine = covered.setdefault(card.id, {})
+                    mine[fusion.id] = mine.get(fusion.id, 0.0) + share_of_calls
+    return {cid: tuple((fid, min(1.0, f)) for fid, f in sorted(by.items())) for cid, by in covered.items()}
+
+
+def fused_away(state: CardState, accepted_fusions: set[str] | frozenset[str]) -> float:
+    """Fraction of this card's calls that run inside fusion kernels already accepted."""
+    return min(1.0, sum(f for fid, f in state.covered if fid in accepted_fusions))
+
+
+def accepted_fusions(states: Sequence[CardState]) -> frozenset[str]:
+    return frozenset(s.card_id for s in states if s.kind == "fusion" and s.best_speedup > 1.0)
+
+
+def effective_share(state: CardState, accepted: set[str] | frozenset[str]) -> float:
+    """The share still worth searching: what accepted fusion kernels have not already taken over."""
+    return state.share * (1.0 - fused_away(state, accepted))
 
 
 # --- scoring -------------------------------------------------------------------------------------
@@ -264,14 +318,17 @@ def next_speedup(state: CardState, headroom: float, reach: Reach, cfg: Config) -
     return min(headroom, max(target, best * (1 + cfg.step)))
 
 
-def drop_reason(state: CardState, headroom: float, cfg: Config) -> str | None:
-    """Why a card gets no more calls, or None. The last one is temporary (results still coming)."""
+def drop_reason(state: CardState, headroom: float, cfg: Config, share: float | None = None) -> str | None:
+    """Why a card gets no more calls, or None. The last one is temporary (results still coming).
+    `share`: the card's effective share (after accepted fusion kernels), default its profiled one."""
     if state.baseline in NEVER_SEARCHED:
         return f"{state.baseline}: no kernel runs, nothing to beat"
     if state.unsupported:
         return state.unsupported
     if state.share <= 0:
         return "no measured time"
+    if share is not None and share <= 1e-6 * state.share:
+        return "fused away: all its calls run inside accepted fusion kernels"
     if headroom < 1 + cfg.margin:
         return f"at roofline: headroom {headroom:.2f}x is below the {cfg.margin:.0%} margin"
     if state.best_speedup >= headroom:
@@ -287,21 +344,23 @@ def drop_reason(state: CardState, headroom: float, cfg: Config) -> str | None:
     return None
 
 
-def score(state: CardState, states: Sequence[CardState], cfg: Config, reach: Reach | None = None) -> Score:
+def score(state: CardState, states: Sequence[CardState], cfg: Config, reach: Reach | None = None,
+          fusions: frozenset[str] | None = None) -> Score:
     headroom = achievable_headroom(state, cfg)
     p = success_probability(state, states, cfg)
     best = state.best_speedup
     reach = reach or learned_reach(states, cfg)
-    gain = max(0.0, state.share * (1 / best - 1 / next_speedup(state, headroom, reach, cfg)))
+    share = effective_share(state, accepted_fusions(states) if fusions is None else fusions)
+    gain = max(0.0, share * (1 / best - 1 / next_speedup(state, headroom, reach, cfg)))
     forward = p * gain
     backward = 0.0
     if state.evaluated >= cfg.window:
         before = state.best[-cfg.window - 1] if state.evaluated > cfg.window else 1.0
-        backward = state.share * (1 / before - 1 / best) / cfg.window
+        backward = share * (1 / before - 1 / best) / cfg.window
         value = cfg.alpha * backward + (1 - cfg.alpha) * forward
     else:
         value = forward
-    dropped = drop_reason(state, headroom, cfg)
+    dropped = drop_reason(state, headroom, cfg, share)
     return Score(state.card_id, 0.0 if dropped else value, forward, backward, p, headroom, gain, dropped)
 
 
@@ -309,7 +368,8 @@ def scores(states: Sequence[CardState], cfg: Config, reach: Reach | None = None)
     """Every card's score, best first (ties: larger share, then card id, so decisions are stable)."""
     share = {s.card_id: s.share for s in states}
     reach = reach or learned_reach(states, cfg)
-    out = [score(s, states, cfg, reach) for s in states]
+    fusions = accepted_fusions(states)
+    out = [score(s, states, cfg, reach, fusions) for s in states]
     return sorted(out, key=lambda s: (s.dropped is not None, -s.score, -share[s.card_id], s.card_id))
 
 
@@ -435,6 +495,13 @@ def plan(states: Sequence[CardState], budget: int, cfg: Config, strategy: str = 
         for s in states
     ]
     return sorted(rows, key=lambda r: (-r.planned, -r.share, r.card_id))
+
+
+def total_gain(states: Sequence[CardState]) -> float:
+    """The model's estimated saving, each call's time counted once: fusion cards with their share, operator
+    cards with what accepted fusion kernels left of theirs."""
+    fusions = accepted_fusions(states)
+    return estimated_gain((effective_share(s, fusions), s.best_speedup) for s in states)
 
 
 def estimated_gain(shares_and_speedups: Iterable[tuple[float, float]]) -> float:

@@ -62,6 +62,7 @@ class CardSummary:
     kernel_us: float | None
     roofline_us: float
     eager_us: float
+    fused_away: float = 0.0  # fraction of its calls inside accepted fusion kernels (counted there)
 
     @property
     def roofline_pct(self) -> float | None:
@@ -71,8 +72,8 @@ class CardSummary:
 
     @property
     def gain(self) -> float:
-        """Estimated end-to-end saving, share x (1 - 1/speedup)."""
-        return allocator.estimated_gain([(self.share, self.best_speedup or 1.0)])
+        """Estimated end-to-end saving, share x (1 - 1/speedup), less what fusion kernels took over."""
+        return allocator.estimated_gain([(self.share * (1 - self.fused_away), self.best_speedup or 1.0)])
 
 
 @dataclass(frozen=True)
@@ -223,9 +224,11 @@ class Search:
             kernel_us=cand.kernel_us, eager_us=cand.eager_us, feedback=cand.feedback,
         )
 
-    def summary(self, card_id: str) -> CardSummary:
+    def summary(self, card_id: str, states: list[allocator.CardState] | None = None) -> CardSummary:
         card, tree = self.cards[card_id], self.trees[card_id]
         best = tree.best()
+        states = states if states is not None else self.states()
+        state = next(s for s in states if s.card_id == card_id)
         return CardSummary(
             card_id=card_id,
             op=card.op_name,
@@ -239,6 +242,7 @@ class Search:
             kernel_us=best.kernel_us if best else None,
             roofline_us=card.profile.roofline_us,
             eager_us=card.profile.eager_us,
+            fused_away=allocator.fused_away(state, allocator.accepted_fusions(states)),
         )
 
     # --- budget ----------------------------------------------------------------------------------
@@ -270,8 +274,9 @@ class Search:
         while self.inflight:
             self._collect(block=True)
         tokens_in, tokens_out, cost = self.store.spend()
+        states = self.states()
         return SearchResult(
-            cards=[self.summary(cid) for cid in self.cards],
+            cards=[self.summary(cid, states) for cid in self.cards],
             accepted=self.accepted(),
             plan=plan,
             calls=self.store.calls_spent(self.proposer.name),

@@ -514,18 +514,30 @@ class GraphPool:
         device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device or "cuda")
         index = device.index if device.index is not None else torch.cuda.current_device()
         self.device = torch.device("cuda", index)
-        self.handle = torch.cuda.graph_pool_handle()
         self.stream = torch.cuda.Stream(self.device)
         self.lock = threading.RLock()
         self.last_stream: torch.cuda.Stream | None = None
+        self._retired: list = []  # (handle, keeper) of pool ids given up after a failed capture
+        self.handle, self._keeper = self._new_pool()
+
+    def _new_pool(self) -> tuple[Any, torch.cuda.CUDAGraph]:
+        handle = torch.cuda.graph_pool_handle()
         # PyTorch frees a graph pool when the last graph using it is destroyed, and a later capture into
         # the same handle then trips an internal assert (`use_count > 0`, seen on torch 2.11 once every
         # graph of a first model was evicted). An empty graph kept for the pool's lifetime pins it.
-        self._keeper = torch.cuda.CUDAGraph()
+        keeper = torch.cuda.CUDAGraph()
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "the CUDA graph is empty"
-            self._keeper.capture_begin(pool=self.handle)
-            self._keeper.capture_end()
+            keeper.capture_begin(pool=handle)
+            keeper.capture_end()
+        return handle, keeper
+
+    def renew(self) -> None:
+        """Capture into a fresh pool id from now on (after a failed capture left this one unusable).
+        Graphs already captured keep their memory in the old pool, which stays pinned."""
+        self._retired.append((self.handle, self._keeper))
+        self.stream = torch.cuda.Stream(self.device)  # in case the old one is still marked as capturing
+        self.handle, self._keeper = self._new_pool()
 
     def enter(self) -> torch.cuda.Stream:
         """Order this replay after the pool's previous one; returns the stream it runs on."""
@@ -559,24 +571,16 @@ def recover_failed_capture(pool: GraphPool, device: torch.device) -> None:
     - The allocator: when `cudaStreamEndCapture` fails (a host sync invalidated the capture),
       `capture_end` raises before it tells the allocator that the pool's recording is over, and every
       later capture into that pool fails with "beginAllocateToPool: already recording to mempool_id".
-      Ending the recording ourselves clears it; if that is not possible, the device's shared pool is
-      replaced (graphs already in the old one stay valid).
+      Ending that recording is not enough on torch 2.11 (seen on the H200), so the pool also moves to
+      a fresh id (`GraphPool.renew`); graphs captured before keep the old one.
     - The RNG: `capture_begin` puts the CUDA generator in capture mode, and a failed capture never
       takes it out, so every later random op fails with "Offset increment outside graph capture".
     """
-    try:
+    with contextlib.suppress(Exception):
         torch._C._cuda_endAllocateToPool(device.index, pool.handle)
-    except Exception as err:
-        if "not currently recording" not in str(err):
-            _retire_pool(pool)
+    with contextlib.suppress(Exception):
+        pool.renew()
     heal_capture_state(device)
-
-
-def _retire_pool(pool: GraphPool) -> None:
-    with _POOLS_LOCK:
-        for index, shared in list(_POOLS.items()):
-            if shared is pool:
-                del _POOLS[index]
 
 
 def heal_capture_state(device: torch.device) -> None:
