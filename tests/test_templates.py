@@ -54,6 +54,9 @@ def _cases():
             ("elementwise.binary", A.sub.Tensor, (x, t.transpose(1, 2).contiguous()), {}),
             ("elementwise.copy", A._to_copy.default, (x,), {"dtype": F32 if dt != F32 else BF16}),
             ("elementwise.copy", A.clone.default, (t,), {"memory_format": torch.contiguous_format}),
+            # A batched transpose whose extents allow 16-byte vectors on both sides of the tile.
+            ("elementwise.copy", A.clone.default, (_x(2, 16, 24, dtype=dt).transpose(1, 2),),
+             {"memory_format": torch.contiguous_format}),
             ("elementwise.cat", A.cat.default, ([x[..., :8], t.transpose(1, 2)[..., 8:24]], -1), {}),
             ("rowreduce.softmax", A._softmax.default, (x, -1, False), {}),
             ("rowreduce.softmax", A._log_softmax.default, (x.transpose(0, 1), 2, False), {}),
@@ -73,6 +76,9 @@ def _cases():
             ("pool.adaptive_avg", A._adaptive_avg_pool2d.default, (img, [1, 1]), {}),
             ("pool.adaptive_avg", A._adaptive_avg_pool2d.default, (img, [3, 4]), {}),
             ("pool.max2d", A.max_pool2d_with_indices.default, (img, [3, 3], [2, 2], [1, 1]), {}),
+            # NCHW with W and OW multiples of 8: vector loads of input rows, vector stores of outputs.
+            ("pool.max2d", A.max_pool2d_with_indices.default, (_x(2, 3, 16, 32, dtype=dt), [3, 3], [2, 2], [1, 1]),
+             {}),
             ("pool.max2d", A.max_pool2d_with_indices.default,
              (img.contiguous(memory_format=torch.channels_last), [2, 3], [1, 2], [1, 0], [2, 1], True), {}),
         ]
@@ -296,17 +302,71 @@ def _first_dtype(args):
 CUDA_CASES = [c for c in CASES if _first_dtype(c[2]) == BF16 or c[0] in ("rowreduce.softmax", "norm.group_norm")]
 
 
+# Axes whose every value is rendered (from the default point), not only at the corners: the cache
+# policies and block order of streaming jobs, max pool's thread tiles and load vectors, the
+# transpose's tile, vector width and block order.
+SWEPT_AXES = ("ld", "st", "order", "owt", "oht", "lvec", "tile", "group")
+
+
+def _cuda_points(t, card) -> list[dict]:
+    """The default, both corners (smallest and largest on every axis), and every value of SWEPT_AXES
+    (with `vec` too where there is a tile) set on the default."""
+    space, first = t.space(card, "cuda"), t.default(card, "cuda")
+    pts = [first, {k: v[0] for k, v in space.items()}, {k: v[-1] for k, v in space.items()}]
+    swept = [k for k in space if k in SWEPT_AXES or (k == "vec" and "tile" in space)]
+    pts += [{**first, k: v} for k in swept for v in space[k]]
+    unique = []
+    for p in pts:
+        if p not in unique:
+            unique.append(p)
+    return unique
+
+
 def _cuda_sources() -> list[tuple[str, str]]:
-    """Every CUDA case at its default and two corner points (smallest and largest on every axis)."""
+    """Every CUDA case at the points `_cuda_points` picks."""
     out = []
     for expected, op, args, kwargs in CUDA_CASES:
         card = on_device(_card(op, args, kwargs), "cuda")
         t = by_name(expected)
-        space = t.space(card, "cuda")
-        corners = ({k: v[0] for k, v in space.items()}, {k: v[-1] for k, v in space.items()})
-        for params in (t.default(card, "cuda"), *corners):
+        for params in _cuda_points(t, card):
             out.append((f"{expected} {card.op} {params}", t.render(card, "cuda", params)))
     return out
+
+
+def test_new_axes_are_rendered_at_every_value():
+    """The sources compiled below include every value of each swept axis (so a broken variant fails here)."""
+    seen: dict[str, set] = {}
+    for expected, op, args, kwargs in CUDA_CASES:
+        card = on_device(_card(op, args, kwargs), "cuda")
+        for p in _cuda_points(by_name(expected), card):
+            for k in SWEPT_AXES:
+                if k in p:
+                    seen.setdefault(k, set()).add(p[k])
+    assert seen["ld"] == {"plain", "nc", "cs"} and seen["st"] == {"plain", "cs"}
+    assert seen["order"] == {"split", "interleave"}
+    assert seen["owt"] >= {1, 2, 4, 8} and seen["oht"] >= {1, 2} and seen["lvec"] >= {1, 2, 4, 8}
+    assert seen["tile"] >= {0, 32, 64, 128} and seen["group"] == {1, 8, 32}
+
+
+def test_new_variants_render_what_they_claim():
+    card = on_device(_card(A.max_pool2d_with_indices.default, (_x(2, 3, 16, 32, dtype=BF16), [3, 3], [2, 2], [1, 1]),
+                           {}), "cuda")
+    t = by_name("pool.max2d")
+    src = t.render(card, "cuda", {"block": 128, "owt": 4, "oht": 2, "lvec": 8})
+    assert "fp_vec<__nv_bfloat16, 8>" in src and "fp_vec<int64_t, 4>" in src and "fp_maxpool<false>" in src
+    tr = on_device(_card(A.clone.default, (_x(2, 16, 24, dtype=BF16).transpose(1, 2),),
+                         {"memory_format": torch.contiguous_format}), "cuda")
+    c = by_name("elementwise.copy")
+    assert c.space(tr, "cuda")["vec"] == [1, 2, 4, 8]
+    src = c.render(tr, "cuda", {**c.default(tr, "cuda"), "tile": 64, "vec": 8})
+    assert "fp_transpose<8, 256>" in src and "fp_transpose<1, 256>" in src
+    x = _x(64, 256, dtype=BF16)
+    cat = on_device(_card(A.cat.default, ([x[:, :128].contiguous(), x[:, :64].contiguous()], -1), {}), "cuda")
+    k = by_name("elementwise.cat")
+    src = k.render(cat, "cuda", {**k.default(cat, "cuda"), "ld": "nc", "st": "cs", "order": "interleave"})
+    assert "ld.global.nc.L1::no_allocate.L2::256B.v4.u32" in src and "st.global.cs.v4.u32" in src
+    assert "switch (b % 2u)" in src
+    assert "asm" not in k.render(cat, "cuda", k.default(cat, "cuda"))  # the default stays plain C++
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
@@ -370,7 +430,7 @@ def _to_cuda(args):
 
 @pytest.mark.gpu
 def test_cuda_kernels_pass_the_verifier():
-    """Every case on the GPU at its default and both corner points, compiled in parallel, then verified.
+    """Every case on the GPU at the `_cuda_points` points, compiled in parallel, then verified.
     Batch norm offers two formulas (aten's CUDA and CPU ones): the CUDA one must pass everywhere."""
     from forgepack.compile import compile_kernel
     from forgepack.evaluate import Evaluator
@@ -391,7 +451,7 @@ def test_cuda_kernels_pass_the_verifier():
             failures.append(f"{expected} refuses {card.op} [{card.signature()}]: {reason}")
             continue
         space = t.space(card, "cuda")
-        tried = [t.default(card, "cuda"), {k: v[0] for k, v in space.items()}, {k: v[-1] for k, v in space.items()}]
+        tried = _cuda_points(t, card)
         for form in space.get("form", [None]):
             for params in tried:
                 params = {**params, "form": form} if form else params

@@ -7,7 +7,11 @@ moves `unroll` vectors of `vec` elements along the innermost dim (16-byte access
 allows), all loads issued before any store; a tensor broadcast along the innermost dim is one scalar
 load per vector. If a base pointer turns out misaligned at run time, the same kernel runs with
 vec = 1. `cat` is one launch of several jobs (one per input, writing a slice of the output), the grid
-split between them.
+split between them (`order`: one job after another, or their blocks round-robin so that every input
+streams at once). Binary ops and cat also search the cache policy of their vector loads (`ld`: plain,
+read-only with no L1 line and 256-byte L2 fetches, or evict-first) and stores (`st`: plain or
+evict-first). A copy that transposes goes through a shared-memory tile (`tile`, `vec`-element vectors
+on both sides, `group`ed block order) instead: see `render_transpose`.
 
 Arithmetic follows aten: inputs are cast to the common dtype (the output's), computed in float
 (opmath), rounded once; a Python-number operand stays unrounded in float, as aten's
@@ -46,6 +50,69 @@ from forgepack.templates.common import (
 BLOCKS = [128, 256, 512, 1024]
 UNROLLS = [1, 2, 4, 8]
 SM_COUNT = 132  # H200; only used for the default's "enough blocks" heuristic
+# Cache policies of the streaming vector accesses (binary ops, cat): plain, or for loads
+# "nc" = ld.global.nc.L1::no_allocate.L2::256B (read-only path, no L1 line, the L2 fetching 256-byte
+# blocks from DRAM), "cs" = evict-first streaming; for stores "cs" = st.global.cs (evict-first).
+LOAD_HINTS = ["plain", "nc", "cs"]
+STORE_HINTS = ["plain", "cs"]
+ORDERS = ["split", "interleave"]  # several jobs: one after another, or their blocks round-robin
+
+_HINT_PTX = {"nc": "ld.global.nc.L1::no_allocate.L2::256B", "cs": "ld.global.cs", "st_cs": "st.global.cs"}
+
+
+def _hint_helpers(ld: str, st: str) -> str:
+    """`fp_load(const V*)` / `fp_store(V*, V)` for any fp_vec (1 to 64 bytes) with the chosen cache
+    policies, as 16/8/4/2-byte PTX accesses (plain C++ below sm_80, or for 1-byte vectors)."""
+    def chunks(op: str, store: bool) -> str:
+        forms = [("16", "uint4", "v4.u32", "{%s,%s,%s,%s}", ["x", "y", "z", "w"], "r"),
+                 ("8", "uint2", "v2.u32", "{%s,%s}", ["x", "y"], "r"),
+                 ("4", "unsigned int", "u32", "%s", [None], "r"), ("2", "unsigned short", "u16", "%s", [None], "h")]
+        out = []
+        for size, ct, suffix, regs, fields, con in forms:
+            n = len(fields)
+            names = [f"u.{f}" if f else "u" for f in fields]
+            head = f"if constexpr (S % {size} == 0) {{\n#pragma unroll\n  for (int k = 0; k < S / {size}; ++k) {{\n"
+            if store:
+                args = ", ".join(f'"{con}"({x})' for x in names)
+                ops = regs % tuple(f"%{i + 1}" for i in range(n))
+                body = (f"    const {ct} u = reinterpret_cast<const {ct}*>(&v)[k];\n"
+                        f'    asm volatile("{op}.{suffix} [%0], {ops};" :: "l"(reinterpret_cast<{ct}*>(p) + k), {args}'
+                        f' : "memory");\n')
+            else:
+                outs = ", ".join(f'"={con}"({x})' for x in names)
+                ops = regs % tuple(f"%{i}" for i in range(n))
+                src = f"reinterpret_cast<const {ct}*>(p) + k"
+                body = (f"    {ct} u;\n"
+                        f'    asm("{op}.{suffix} {ops}, [%{n}];" : {outs} : "l"({src}));\n'
+                        f"    reinterpret_cast<{ct}*>(&r)[k] = u;\n")
+            out.append(head + body + "  }\n} else ")
+        return "".join(out) + ("{ *p = v; }" if store else "{ r = *p; }")
+
+    load = "template <typename V> FP_FN V fp_load(const V* p) { return *p; }\n"
+    store = "template <typename V> FP_FN void fp_store(V* p, const V& v) { *p = v; }\n"
+    if ld != "plain":
+        load = f"""template <typename V> FP_FN V fp_load(const V* p) {{
+  V r;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  constexpr int S = sizeof(V);
+  {chunks(_HINT_PTX[ld], False)}
+#else
+  r = *p;
+#endif
+  return r;
+}}
+"""
+    if st != "plain":
+        store = f"""template <typename V> FP_FN void fp_store(V* p, const V& v) {{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  constexpr int S = sizeof(V);
+  {chunks(_HINT_PTX["st_" + st], True)}
+#else
+  *p = v;
+#endif
+}}
+"""
+    return "\n" + load + store
 
 
 @dataclass(frozen=True)
@@ -157,7 +224,7 @@ def _cuda_job(k: int, job: Job, card: Card, itype: str) -> str:
             convs.append(f"const float a{i} = x{i}[u];")
         else:
             regs.append(f"fp_vec<{t}, VEC> x{i}[UNROLL];")
-            loads.append(f"x{i}[u] = *reinterpret_cast<const fp_vec<{t}, VEC>*>(p.in{slot} + o{i}_);")
+            loads.append(f"x{i}[u] = fp_load(reinterpret_cast<const fp_vec<{t}, VEC>*>(p.in{slot} + o{i}_));")
             convs.append(f"const float a{i} = fp_ld(x{i}[u].v[j]);" if job.expr is not None else "")
     if job.expr is None:
         compute = "r.v[j] = x0[u].v[j];"
@@ -187,7 +254,7 @@ FP_FN void fp_job{k}({itype} blk, const fp_args& p) {{
       fp_vec<{out_t}, VEC> r;
 #pragma unroll
       for (int j = 0; j < VEC; ++j) {{ {compute} }}
-      *reinterpret_cast<fp_vec<{out_t}, VEC>*>(p.out{job.out_slot} + oo[u]) = r;
+      fp_store(reinterpret_cast<fp_vec<{out_t}, VEC>*>(p.out{job.out_slot} + oo[u]), r);
     }}
   }}
 }}
@@ -213,17 +280,13 @@ def render_pointwise(card: Card, target: str, jobs: list[Job], params: dict) -> 
     grid_v = sum(ceil_div(j.numel // v, per_block) for j, v in zip(jobs, vecs, strict=True))
     grid_1 = sum(ceil_div(j.numel, per_block) for j in jobs)
     body = head + f"constexpr int BLOCK = {block};\nconstexpr int UNROLL = {unroll};\n"
+    body += _hint_helpers(params.get("ld", "plain"), params.get("st", "plain"))
+    body += f"FP_FN bool fp_below({itype} b, {itype} n) {{ return b < n; }}\n"
     body += "".join(_cuda_job(k, j, card, itype) for k, j in enumerate(jobs))
-    dispatch = []
-    for k, (j, v) in enumerate(zip(jobs, vecs, strict=True)):
-        dispatch.append(
-            f"  {{ constexpr int V = VECTOR ? {v} : 1;\n"
-            f"    constexpr {itype} NB = ({j.numel}u / V + {per_block - 1}u) / {per_block}u;\n"
-            f"    if (b < NB) {{ fp_job{k}<V>(b, p); return; }} b -= NB; }}"
-        )
     body += (
         "\ntemplate <bool VECTOR>\n__global__ void __launch_bounds__(BLOCK) fp_pointwise(const fp_args p) {\n"
-        f"  {itype} b = blockIdx.x;\n" + "\n".join(dispatch) + "\n}\n"
+        f"  {itype} b = blockIdx.x;\n" + _dispatch(jobs, vecs, per_block, itype, params.get("order", "split"))
+        + "\n}\n"
     )
     checks = []
     for j, v in zip(jobs, vecs, strict=True):
@@ -237,6 +300,30 @@ def render_pointwise(card: Card, target: str, jobs: list[Job], params: dict) -> 
         f"else fp_pointwise<false><<<{grid_1}u, BLOCK, 0, stream>>>(p);\n  " + launch_status(target)
     )
     return body + entry(card, target, launch)
+
+
+def _dispatch(jobs: list[Job], vecs: list[int], per_block: int, itype: str, order: str) -> str:
+    """Block b -> (job, block within the job). "split": the jobs' blocks one after another.
+    "interleave": the first J x M blocks (M: the fewest any job has) round-robin over the J jobs, so
+    all of them stream at once (e.g. both halves of every cat output row), then each job's rest."""
+    lines = [f"  constexpr int V{k} = VECTOR ? {v} : 1;\n"
+             f"  constexpr {itype} NB{k} = ({j.numel}u / V{k} + {per_block - 1}u) / {per_block}u;"
+             for k, (j, v) in enumerate(zip(jobs, vecs, strict=True))]
+    first = "0u"
+    if order == "interleave" and len(jobs) > 1:
+        least = "NB0"
+        for k in range(1, len(jobs)):
+            least = f"(NB{k} < {least} ? NB{k} : {least})"
+        cases = " ".join(f"case {k}: fp_job{k}<V{k}>(l_, p); return;" for k in range(len(jobs)))
+        lines += [f"  constexpr {itype} M_ = {least};",
+                  f"  if (b < {len(jobs)}u * M_) {{ const {itype} l_ = b / {len(jobs)}u;",
+                  f"    switch (b % {len(jobs)}u) {{ {cases} default: return; }} }}",
+                  f"  b -= {len(jobs)}u * M_;"]
+        first = "M_"
+    for k in range(len(jobs)):  # fp_below: a job's rest may be empty (no "b < 0" warning)
+        lines.append(f"  if (fp_below(b, NB{k} - {first})) {{ fp_job{k}<V{k}>(b + {first}, p); return; }} "
+                     f"b -= NB{k} - {first};")
+    return "\n".join(lines)
 
 
 def _cpu_job(k: int, job: Job, itype: str) -> str:
@@ -371,7 +458,25 @@ class UnaryTemplate(PointwiseTemplate):
         return [job] if job else "input does not broadcast to the output"
 
 
-class BinaryTemplate(PointwiseTemplate):
+class StreamingTemplate(PointwiseTemplate):
+    """Pointwise jobs whose speed hangs on several concurrent streams (binary ops, cat): the cache
+    policy of their vector loads and stores, and for several jobs the block order, are searched too
+    (defaults: plain accesses, jobs one after another, as before)."""
+
+    def axes(self, plan, target):
+        axes = pointwise_axes(plan, target)
+        if target == "cuda":
+            axes.update(ld=list(LOAD_HINTS), st=list(STORE_HINTS))
+            if len(plan) > 1:
+                axes["order"] = list(ORDERS)
+        return axes
+
+    def pick_default(self, plan, axes, target):
+        point = pointwise_default(plan, axes, target)
+        return {**point, **{k: axes[k][0] for k in ("ld", "st", "order") if k in axes}}
+
+
+class BinaryTemplate(StreamingTemplate):
     def plan(self, card: Card, target: str):
         out = card.outputs[0]
         if out.dtype not in FLOATS:
@@ -437,23 +542,33 @@ class CopyTemplate(PointwiseTemplate):
     def axes(self, plan, target):
         axes = pointwise_axes(plan, target)
         if target == "cuda" and transpose_dim(plan[0]) is not None:
-            axes["tile"] = [0, *TILES]  # 0: the elementwise path; else a shared-memory tile of this size
+            # 0: the elementwise path; else a shared-memory tile of this size. `vec` is the tile's
+            # vector width on both sides (the elementwise path clamps it to what its layout allows).
+            axes["vec"] = transpose_vecs(plan[0])
+            axes["tile"] = [0, *(t for t in TILES if t * t * plan[0].ins[0].itemsize <= SMEM_TILE_BYTES)]
+            axes["group"] = list(GROUPS)
         return axes
 
     def pick_default(self, plan, axes, target):
         point = pointwise_default(plan, axes, target)
         if "tile" in axes:
-            point["tile"] = 32
+            point.update(tile=64, group=GROUPS[1])
         return point
 
     def emit(self, card, plan, target, params):
-        tile = params.pop("tile", 0)
+        tile, group = params.pop("tile", 0), params.pop("group", 1)
         if tile:
-            return render_transpose(card, plan[0], tile)
+            return render_transpose(card, plan[0], tile, params["vec"], group)
         return render_pointwise(card, target, plan, params)
 
 
-TILES = [32, 64]
+TILES = [32, 64, 128]
+# Tiled transpose block order: 1 walks the output's tile rows one after another; G > 1 runs G tile rows
+# side by side (Triton's grouped order), so the blocks in flight read and write runs of G tiles (and
+# more) along both tensors' rows instead of one tile per row of the input: longer DRAM runs.
+GROUPS = [1, 8, 32]
+SMEM_TILE_BYTES = 32 * 1024
+TRANSPOSE_THREADS = 256
 
 
 def transpose_dim(job: Job) -> int | None:
@@ -467,10 +582,50 @@ def transpose_dim(job: Job) -> int | None:
     return None
 
 
-def render_transpose(card: Card, job: Job, tile: int) -> str:
-    """Tiled copy through shared memory: read tile x tile along the input's contiguous dim, write it
-    along the output's (both coalesced), converting the dtype on the way if asked. The other dims
-    (batch) are walked with their constant strides; block = tile x 8 threads."""
+def transpose_vecs(job: Job) -> list[int]:
+    """Vector widths (elements) the tiled transpose can read along the input's contiguous dim and write
+    along the output's: both extents divisible, every other stride and the offsets aligned, and one
+    vector at most 16 bytes on either side. Base pointers are checked at run time."""
+    p = transpose_dim(job)
+    x, out = job.ins[0], job.out
+    m, n = job.shape[p], job.shape[-1]
+    widest = max(x.itemsize, out.itemsize)
+    vecs, v = [1], 2
+    while v * widest <= 16:
+        ok = m % v == 0 and n % v == 0
+        ok = ok and all(s % v == 0 for d, s in enumerate(x.strides) if d != p) and x.offset % v == 0
+        ok = ok and all(s % v == 0 for s in out.strides[:-1]) and out.offset % v == 0
+        ok = ok and all((view.storage_offset * view.itemsize) % (v * view.itemsize) == 0 for view in (x, out))
+        if ok:
+            vecs.append(v)
+        v *= 2
+    return vecs
+
+
+def _tile_order(tm: int, tn: int, group: int, itype: str) -> str:
+    """bx (tile along j), by (tile along i), bz (batch) of this block."""
+    if group == 1 or tm == 1:
+        return (f"{itype} b_ = blockIdx.x;\nconst {itype} bx = b_ % {tn}u; b_ /= {tn}u;\n"
+                f"const {itype} by = b_ % {tm}u;\nconst {itype} bz = b_ / {tm}u; (void)bz;")
+    return (f"const {itype} bz = blockIdx.x / {tm * tn}u; (void)bz;\n"
+            f"const {itype} r_ = blockIdx.x % {tm * tn}u, g_ = r_ / {group * tn}u, q_ = r_ % {group * tn}u;\n"
+            f"const {itype} first_ = g_ * {group}u, rows_ = {tm}u - first_ < {group}u ? {tm}u - first_ : {group}u;\n"
+            f"const {itype} by = first_ + q_ % rows_, bx = q_ / rows_;")
+
+
+def _transpose_threads(tile: int, vec: int) -> int:
+    nch = tile // vec
+    return nch * min(tile, TRANSPOSE_THREADS // nch)
+
+
+def render_transpose(card: Card, job: Job, tile: int, vec: int = 1, group: int = 1) -> str:
+    """Tiled copy through shared memory: read a tile x tile block along the input's contiguous dim
+    (i), write it along the output's (j), converting the dtype on the way if asked. Both sides move
+    `vec`-element vectors (16-byte accesses at the widest); the tile is kept as rows of vectors
+    t_[j][i / vec], the vector column XOR-swizzled by (j / vec) so that the vector writes (a row) and
+    the element reads (a column) hit distinct banks. The other dims (batch) are walked with their
+    constant strides. If a base pointer is misaligned at run time, the vec = 1 instantiation runs.
+    `group` > 1: consecutive blocks walk `group` tile rows (i) before the next tile column (j)."""
     p = transpose_dim(job)
     shape = job.shape
     m, n = shape[p], shape[-1]
@@ -478,47 +633,68 @@ def render_transpose(card: Card, job: Job, tile: int) -> str:
     tm, tn = ceil_div(m, tile), ceil_div(n, tile)
     nbatch = math.prod(shape[d] for d in batch_dims)
     itype = index_type(shape, job.views())
-    in_t, out_t = ctype(job.ins[0].dtype, "cuda"), ctype(job.out.dtype, "cuda")
+    x, out = job.ins[0], job.out
+    in_t, out_t = ctype(x.dtype, "cuda"), ctype(out.dtype, "cuda")
     bshape = tuple(shape[d] for d in batch_dims) or (1,)
-    bviews = [View(v.dtype, tuple(v.strides[d] for d in batch_dims) or (0,)) for v in (job.out, job.ins[0])]
+    bviews = [View(v.dtype, tuple(v.strides[d] for d in batch_dims) or (0,)) for v in (out, x)]
     boffsets = offsets_code(bshape, bviews, "bz", ["ob_", "ib_"], itype)
+    ib0 = f" + {x.offset}u" if x.offset else ""
+    ob0 = f" + {out.offset}u" if out.offset else ""
     conv = "v" if job.expr is None else f"fp_st<{out_t}>(fp_ld(v))"
     body = f"""
 constexpr int TILE = {tile};
 struct fp_args {{ const {in_t}* __restrict__ in0; {out_t}* __restrict__ out0; }};
 
-__global__ void __launch_bounds__(TILE * 8) fp_transpose(const fp_args p) {{
-  __shared__ {in_t} t_[TILE][TILE + 1];
-  {itype} b_ = blockIdx.x;
-  const {itype} bx = b_ % {tn}u; b_ /= {tn}u;
-  const {itype} by = b_ % {tm}u;
-  const {itype} bz = b_ / {tm}u; (void)bz;
+template <int V, int THREADS>
+__global__ void __launch_bounds__(THREADS) fp_transpose(const fp_args p) {{
+  constexpr int NCH = TILE / V;  // vectors per tile row
+  constexpr int ROWS = THREADS / NCH;  // tile rows per pass
+  __shared__ fp_vec<{in_t}, V> t_[TILE][NCH];
+  {_indent(_tile_order(tm, tn, group, itype), 2)}
   {_indent(boffsets, 2)}
-  const int tx = threadIdx.x % TILE, ty = threadIdx.x / TILE;
+  const int tx = threadIdx.x % NCH, ty = threadIdx.x / NCH;
   {{
-    const {itype} i = by * TILE + tx;
-    for (int k = ty; k < TILE; k += 8) {{
+    const {itype} i = by * TILE + tx * V;
+#pragma unroll
+    for (int q = 0; q < TILE / ROWS; ++q) {{
+      const int k = ty + q * ROWS;
       const {itype} j = bx * TILE + k;
-      if (i < {m}u && j < {n}u) t_[k][tx] = p.in0[ib_ + i + j * {job.ins[0].strides[-1]}u];
+      if (i < {m}u && j < {n}u)
+        t_[k][tx ^ ((k / V) % NCH)] =
+            *reinterpret_cast<const fp_vec<{in_t}, V>*>(p.in0 + ib_{ib0} + i + j * {x.strides[-1]}u);
     }}
   }}
   __syncthreads();
   {{
-    const {itype} j = bx * TILE + tx;
-    for (int k = ty; k < TILE; k += 8) {{
+    const {itype} j = bx * TILE + tx * V;
+#pragma unroll
+    for (int q = 0; q < TILE / ROWS; ++q) {{
+      const int k = ty + q * ROWS;
       const {itype} i = by * TILE + k;
-      if (i < {m}u && j < {n}u) {{ const {in_t} v = t_[tx][k]; p.out0[ob_ + i * {job.out.strides[p]}u + j] = {conv}; }}
+      if (i < {m}u && j < {n}u) {{
+        fp_vec<{out_t}, V> r;
+#pragma unroll
+        for (int e = 0; e < V; ++e) {{
+          const {in_t} v = t_[tx * V + e][(k / V) ^ tx].v[k % V];  // row tx*V+e is swizzled by tx
+          r.v[e] = {conv};
+        }}
+        *reinterpret_cast<fp_vec<{out_t}, V>*>(p.out0 + ob_{ob0} + i * {out.strides[p]}u + j) = r;
+      }}
     }}
   }}
 }}
 """
+    grid = tm * tn * nbatch
+    t_vec, t_one = _transpose_threads(tile, vec), _transpose_threads(tile, 1)
+    checks = [("p.in0", vec_bytes(x.itemsize, vec)), ("p.out0", vec_bytes(out.itemsize, vec))] if vec > 1 else []
     launch = (f"fp_args p;\n  p.in0 = (const {in_t}*)call->inputs[0].data;\n  "
               f"p.out0 = ({out_t}*)call->outputs[0].data;\n  "
-              f"fp_transpose<<<{tm * tn * nbatch}u, TILE * 8, 0, stream>>>(p);\n  " + launch_status("cuda"))
+              f"if ({align_check(checks)}) fp_transpose<{vec}, {t_vec}><<<{grid}u, {t_vec}, 0, stream>>>(p);\n  "
+              f"else fp_transpose<1, {t_one}><<<{grid}u, {t_one}, 0, stream>>>(p);\n  " + launch_status("cuda"))
     return prelude("cuda") + body + entry(card, "cuda", launch)
 
 
-class CatTemplate(PointwiseTemplate):
+class CatTemplate(StreamingTemplate):
     def plan(self, card: Card, target: str):
         out = card.outputs[0]
         tensors = arg(card, "tensors").tensors
