@@ -50,7 +50,7 @@ run_stage() {
     tests)     # one process per file, each with its own limit: a slow file cannot hide another's failures
                for f in ${GPU_TESTS:-$(grep -l "mark.gpu\|pytestmark" tests/test_*.py | grep -v test_graphs.py)}; do
                  stage "tests-$(basename "$f" .py)" "${TESTS_TIME:-200}" python3 -m pytest -m gpu -q -p no:cacheprovider \
-                   -rfE --tb=short --timeout 180 "$f"
+                   -rfE --tb=short --timeout "$(( ${TESTS_TIME:-200} - 20 ))" "$f"
                done ;;
     graphtests) # its own process: a failed capture must not be able to disturb the other tests
                stage graphtests 120 python3 -m pytest -m gpu -q -p no:cacheprovider -rfE --timeout 100 tests/test_graphs.py ;;
