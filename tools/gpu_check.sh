@@ -35,9 +35,16 @@ REFERENCE="llama-1b-prefill qwen2-0.5b-prefill gpt2 vit-base resnet-50 llama-1b-
 
 # stage NAME SECONDS CMD...: each stage has its own time limit, so one slow stage cannot cost the
 # others their turn (the device call has a hard limit, and the results bundle is made at the end).
+# DEADLINE (seconds from the start, default 570): no stage runs past it, so the bundle is always made
+# inside the device call's limit (files left deeper than two folders in $OUT would not come back).
 stage() {
   local name=$1 limit=$2; shift 2
-  local start=$SECONDS
+  local start=$SECONDS left=$(( ${DEADLINE:-570} - SECONDS ))
+  if (( left < 20 )); then
+    echo "=== $LANE$name: skipped, ${left}s left before the deadline" | tee -a "$OUT_ROOT/summary.txt"
+    return
+  fi
+  (( limit > left )) && limit=$left
   echo "=== $LANE$name (limit ${limit}s): $*"
   timeout -k 10 "$limit" "$@" 2>&1 | tee "$OUT/results/$name.log"
   local rc=${PIPESTATUS[0]}
