@@ -444,8 +444,11 @@ def test_cuda_kernels_pass_the_verifier():
         card = _card(op, args, kwargs)
         t = by_name(expected)
         reason = t.supports(card, "cuda")
-        if reason is not None and op == A.cudnn_batch_norm.default and "saved statistics" in reason:
-            print(f"note: cudnn_batch_norm refused here: {reason}")  # its eval outputs are not empty on this build
+        if reason is not None and expected == "norm.batch_norm" and "saved statistics" in reason:
+            # aten's CUDA eval batch norm returns uninitialised [C] tensors as saved statistics on some
+            # builds (torch 2.11: `at::empty`, never written): no kernel can match garbage, so the
+            # template refuses and BN is served through the fused bn_act cards instead
+            print(f"note: {card.op} refused here: {reason}")
             continue
         if reason is not None:
             failures.append(f"{expected} refuses {card.op} [{card.signature()}]: {reason}")

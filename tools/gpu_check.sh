@@ -63,10 +63,12 @@ run_stage() {
                stage graphtests 120 python3 -m pytest -m gpu -q -p no:cacheprovider -rfE --timeout 100 tests/test_graphs.py ;;
     profile)   stage profile "${PROFILE_TIME:-150}" python3 tools/bench_profile.py $REFERENCE ;;
     evaluate)  stage evaluate "${EVALUATE_TIME:-150}" python3 tools/bench_evaluate.py --count 20 ;;
-    templates) stage templates "${TEMPLATES_TIME:-200}" python3 tools/bench_templates.py --budget-s "${TEMPLATES_SEARCH_S:-120}" ;;
+    templates) stage templates "${TEMPLATES_TIME:-200}" python3 tools/bench_templates.py --budget-s "${TEMPLATES_SEARCH_S:-120}" ${TEMPLATES_ARGS:-} ;;
     search)    stage search "${SEARCH_TIME:-300}" python3 tools/bench_search.py ${SEARCH_ARGS:-} ;;
     dispatch)  stage dispatch 60 python3 tools/bench_dispatch.py ;;
-    packs)     local recipes=${PACK_RECIPES:-$REFERENCE}
+    packs|packs=*) # packs=a+b: these recipes (per lane); else PACK_RECIPES, else the six reference recipes
+               local recipes=${PACK_RECIPES:-$REFERENCE}
+               [[ $1 == packs=* ]] && recipes=${1#packs=} && recipes=${recipes//+/ }
                stage packs "$(( ${PACK_TIME:-300} + 200 ))" python3 tools/bench_packs.py $recipes \
                  --budget "${PACK_BUDGET:-24}" --heavy llama-1b-prefill,llama-1b-decode,gpt2,resnet-50 \
                  --time-limit "${PACK_TIME:-300}" --workdir "$packs_dir" ${PACK_ARGS:-}

@@ -134,7 +134,7 @@ def _round(expr: str, dtype: str) -> str:
     return expr if dtype == "float32" else f"fp_round_{dtype}({expr})"
 
 
-def elementwise_expr(e: Entry, operands: dict[str, tuple[str, str]], target: str, bn_form: str = "scale_shift") -> str:
+def elementwise_expr(e: Entry, operands: dict[str, tuple[str, str]], target: str, bn_form: str | None = None) -> str:
     """Float expression of `e`'s first output, rounded to its dtype; `operands`: tensor argument name ->
     (float expression, dtype). Raises `Refused` for an op it does not know exactly."""
     out = e.outs[0].dtype if e.outs else None
@@ -166,7 +166,10 @@ def elementwise_expr(e: Entry, operands: dict[str, tuple[str, str]], target: str
     if op in _BINARY:
         return _round(_binary(e, operands, out, target), out)
     if op in _BN:
-        return _round(_batch_norm(e, operands, bn_form), out)
+        # aten's CUDA kernels and cuDNN compute (x - mean) * invstd * w + b, the CPU kernel x * scale + shift:
+        # they differ where a statistic or parameter is not finite (inf - inf), so follow the target's
+        form = bn_form or ("sub_mul" if target == "cuda" else "scale_shift")
+        return _round(_batch_norm(e, operands, form), out)
     raise Refused(f"{op}.{e.overload} is not served by the fused templates")
 
 

@@ -14,7 +14,7 @@ C/G * HxW contiguous elements; weight and bias are gathered per channel.
 from __future__ import annotations
 
 from forgepack.cards import Card, TensorMeta
-from forgepack.templates.common import FLOATS, Template, View, arg, coalesce, flit, value
+from forgepack.templates.common import FLOATS, Template, View, arg, coalesce, ctype, flit, value
 from forgepack.templates.elementwise import Job, pointwise_axes, pointwise_default, render_pointwise
 from forgepack.templates.rowreduce import (
     Param,
@@ -130,9 +130,15 @@ class GroupNormTemplate(RowTemplate):  # the row engine's axes, defaults and ren
             k = f"w{len(params) - 1}"
             gamma, beta = (f" * {k}", beta) if name == "weight" else (gamma, f" + {k}")
         # aten (both devices) folds the statistics into a per-channel scale and shift: x * a + b with
-        # a = rstd * gamma, b = -a * mean + beta; this matters where gamma or beta is infinite.
-        scale = f"(rstd_{gamma})"
-        affine = f"(x * {scale} + (-{scale} * mean_{beta}))"
+        # a = rstd * gamma, b = -a * mean + beta; this matters where gamma or beta is infinite. Its CUDA
+        # kernel reads mean and rstd back from the outputs, in their dtype (bf16/fp16 rounding: up to
+        # several output ulps where x * a and b nearly cancel, seen on the H200).
+        mean_e, rstd_e = "mean_", "rstd_"
+        if target == "cuda" and mean.dtype != "float32":
+            t = ctype(mean.dtype, "cuda")
+            mean_e, rstd_e = f"fp_ld(fp_st<{t}>(mean_))", f"fp_ld(fp_st<{t}>(rstd_))"
+        scale = f"({rstd_e}{gamma})"
+        affine = f"(x * {scale} + (-{scale} * {mean_e}{beta}))"
         regs, loop = norm_steps(size, float(eps), affine)
         tail = (*mean_output_steps(target, "group", size, x.dtype, 1, 1), Step("rowwrite", expr="rstd_", slot=2))
         lets = (f"const uint32_t g_ = (uint32_t)(row % {g}u); (void)g_;",

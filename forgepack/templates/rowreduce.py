@@ -512,7 +512,7 @@ def norm_steps(n: int, eps: float, affine: str, rms: bool = False) -> tuple[tupl
         Step("reduce", "d1_", "(x - sh_)", also=(("d2_", "(x - sh_) * (x - sh_)"),)),
         Step("let", "dm_", f"d1_ * {inv_n}"),
         Step("let", "mean_", "sh_ + dm_"),
-        Step("let", "rstd_", f"fp_rsqrt(fmaxf(d2_ * {inv_n} - dm_ * dm_, 0.0f) + {flit(eps)})"),
+        Step("let", "rstd_", f"fp_rsqrt(fp_max_nan(d2_ * {inv_n} - dm_ * dm_, 0.0f) + {flit(eps)})"),
         Step("write", expr=affine.replace("y_", y), slot=0),
     )
     return regs, loop
