@@ -255,3 +255,16 @@ def test_ops_inside_an_accepted_fusion_kernel_get_no_budget_and_count_once():
     states = allocator.card_states(cards, history)
     # fusion 0.3 x 3/4, pow's half outside the chain 0.1 x 1/2, mean nothing (all its calls are fused)
     assert allocator.total_gain(states) == pytest.approx(0.3 * 0.75 + 0.1 * 0.5)
+
+
+def test_the_headroom_cap_is_not_a_ceiling_for_a_card_already_past_it():
+    """H200, Llama prefill: the fused rotary reached 18.9x in one call, above the 8x cap, and was dropped
+    as if it had reached its ceiling, while three calls reached 20.3x."""
+    rotary = state("rotary", 0.5, eager=240.0, roofline=1.0)  # measured headroom 120x (floor 2 us)
+    won = dataclasses.replace(rotary, best=(18.9,), successes=1.0, since_improvement=0)
+    headroom = allocator.achievable_headroom(won, CFG)
+    assert 18.9 < headroom <= 18.9 * (1 + CFG.refine_margin) + 1e-9
+    sc = allocator.score(won, [won], CFG)
+    assert sc.dropped is None and sc.score > 0
+    at_ceiling = dataclasses.replace(state("small", 0.5, eager=20.0, roofline=10.0), best=(2.0,), successes=1.0)
+    assert "reached its achievable" in allocator.score(at_ceiling, [at_ceiling], CFG).dropped

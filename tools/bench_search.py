@@ -33,12 +33,26 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchlib
 
 from forgepack import profile, recipe, workspace
-from forgepack.search import run
+from forgepack.search import allocator, run
 from forgepack.search.executor import LocalExecutor
 from forgepack.search.proposers import make
 from forgepack.search.store import Store
 
 ARMS = ("allocator", "uniform")
+CHECKPOINTS = (5, 10, 20, 30, 50, 75, 100, 150, 200)
+
+
+def gain_curve(store: Store, cards: list, budget: int) -> dict[int, float]:
+    """Estimated gain (each call counted once) after the first k calls, replayed from the store: how
+    fast each arm gets there matters as much as where it ends (a budget is often cut short)."""
+    candidates = {c.id: c for c in store.candidates()}
+    history = []
+    for call in sorted(store.calls(), key=lambda c: c.id):
+        cand = candidates.get(call.candidate_id) if call.candidate_id else None
+        history.append(run._result(cand) if call.outcome == "new" and cand is not None
+                       else allocator.CallResult(call.card_id))
+    points = sorted({k for k in CHECKPOINTS if k < min(budget, len(history))} | {len(history)})
+    return {k: allocator.total_gain(allocator.card_states(cards, history[:k])) for k in points}
 
 
 class SharedVerdicts:
@@ -97,7 +111,8 @@ def one_recipe(name: str, args: argparse.Namespace, root: Path) -> tuple[dict, s
             result = run.Search(ws, cards, proposer, executor, settings, store=store).run()
         finally:
             executor.close()
-        arms[arm] = {**run.result_json(result), "reused_verdicts": executor.reused}
+        arms[arm] = {**run.result_json(result), "reused_verdicts": executor.reused,
+                     "curve": gain_curve(store, cards, args.budget)}
         stores.append(store)
         print(f"{name} {arm}: gain {100 * result.estimated_gain:.2f}% in {result.wall_s:.0f} s "
               f"({result.evaluated} evaluated, {executor.reused} reused)", flush=True)
@@ -120,6 +135,17 @@ def markdown(name: str, data: dict, cards: dict) -> str:
         f"(uniform reused {uni['reused_verdicts']} verdicts); "
         f"accepted kernels: allocator {len(alloc['accepted'])}, uniform {len(uni['accepted'])}\n",
     ]
+    curves = {arm: {int(k): v for k, v in data["arms"][arm].get("curve", {}).items()} for arm in ARMS}
+    ks = sorted(set(curves["allocator"]) | set(curves["uniform"]))
+    if ks:
+        def at(arm: str, k: int) -> str:
+            done = [j for j in curves[arm] if j <= k]
+            return f"{100 * curves[arm][max(done)]:.2f}" if done else "-"
+
+        lines.append("estimated gain (%) after the first k calls:\n")
+        lines.append(tabulate([["allocator", *(at("allocator", k) for k in ks)],
+                               ["uniform", *(at("uniform", k) for k in ks)]],
+                              ["k", *map(str, ks)], tablefmt="github") + "\n")
     rows = []
     by_card = {arm: {c["card_id"]: c for c in data["arms"][arm]["cards"]} for arm in ARMS}
     ids = {cid for arm in ARMS for cid, c in by_card[arm].items() if c["calls"]}

@@ -63,6 +63,7 @@ class Config:
     refine_reach: float = 0.25  # prior: a refinement a quarter of the log way still open
     reach_strength: float = 3.0  # pseudo-observations behind those priors
     step: float = 0.05
+    refine_margin: float = 0.25  # room a card past the headroom cap keeps above its best
     window: int = 3  # Ansor's backward window
     alpha: float = 0.5  # weight of the backward (realised) gain once the window is filled
     patience: int = 6  # calls without improvement before a card is dropped
@@ -253,12 +254,19 @@ def effective_share(state: CardState, accepted: set[str] | frozenset[str]) -> fl
 
 
 def achievable_headroom(state: CardState, cfg: Config) -> float:
-    """Eager time over the fastest a kernel could be (roofline, but no faster than launch latency)."""
+    """Eager time over the fastest a kernel could be (roofline, but no faster than launch latency).
+
+    The cap tempers expectations, it is not a ceiling: a card whose best already passed it (a fused
+    chain at 19x) keeps a refinement margin above its best, up to its measured headroom. Treating the
+    cap as reached dropped such a card after one call on the H200 (search-ff77da0.md)."""
     if state.roofline_us > 0 and state.eager_us > 0:
         headroom = state.eager_us / max(state.roofline_us, cfg.floor_us)
     else:
         headroom = state.headroom
-    return max(1.0, min(headroom, cfg.headroom_cap))
+    capped = min(headroom, cfg.headroom_cap)
+    if state.best_speedup >= capped:
+        capped = min(headroom, state.best_speedup * (1 + cfg.refine_margin))
+    return max(1.0, capped)
 
 
 def success_probability(state: CardState, states: Sequence[CardState], cfg: Config) -> float:
