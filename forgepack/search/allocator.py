@@ -229,10 +229,9 @@ def coverage(cards: Sequence[Card]) -> dict[str, tuple[tuple[str, float], ...]]:
             matches = by_key.get(_out_key(entry["op"], entry.get("outs", ())), [])
             total = sum(c.calls for c in matches)
             for card in matches:
-                if card.calls and total:
-                    share_of_calls = fusion.calls * card.calls / total / card.calls
+                if card.calls and total:  # it takes fusion.calls * card.calls / total of card's calls
                     mine = covered.setdefault(card.id, {})
-                    mine[fusion.id] = mine.get(fusion.id, 0.0) + share_of_calls
+                    mine[fusion.id] = mine.get(fusion.id, 0.0) + fusion.calls / total
     return {cid: tuple((fid, min(1.0, f)) for fid, f in sorted(by.items())) for cid, by in covered.items()}
 
 

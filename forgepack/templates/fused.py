@@ -167,7 +167,7 @@ def elementwise_expr(e: Entry, operands: dict[str, tuple[str, str]], target: str
         return _round(_binary(e, operands, out, target), out)
     if op in _BN:
         # aten's CUDA kernels and cuDNN compute (x - mean) * invstd * w + b, the CPU kernel x * scale + shift:
-        # they differ where a statistic or parameter is not finite (inf - inf), so follow the target's
+        # they differ where a statistic or parameter is not finite (inf - inf): follow the target's formula
         form = bn_form or ("sub_mul" if target == "cuda" else "scale_shift")
         return _round(_batch_norm(e, operands, form), out)
     raise Refused(f"{op}.{e.overload} is not served by the fused templates")
