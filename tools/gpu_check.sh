@@ -6,6 +6,9 @@
 #   bash tools/gpu_check.sh                          # every stage, one after the other, on GPU 0
 #   bash tools/gpu_check.sh tests profile            # some stages, in this order
 #   bash tools/gpu_check.sh 0:tests,graphtests 1:search   # lanes: one per GPU, run side by side
+#   bash tools/gpu_check.sh 0:search 1:packs=qwen2-0.5b-prefill+vit-base   # what the next session runs
+#
+# Without lanes every stage runs in order on GPU 0 (a lane of its own).
 #
 # A lane `N:a,b,c` runs its stages in order on GPU N (CUDA_VISIBLE_DEVICES=N) with its own results
 # folder ($OUT/laneN/results), forgepack home and cache, so two lanes never share a file. Lanes share
