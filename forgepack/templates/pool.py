@@ -26,7 +26,18 @@ import math
 from dataclasses import dataclass
 
 from forgepack.cards import DTYPE_SIZES, Card, TensorMeta
-from forgepack.templates.common import FLOATS, Template, ceil_div, ctype, entry, launch_status, prelude, value
+from forgepack.templates.common import (
+    FLOATS,
+    Template,
+    align_check,
+    ceil_div,
+    ctype,
+    entry,
+    launch_status,
+    prelude,
+    value,
+    vec_bytes,
+)
 from forgepack.templates.rowreduce import RowProgram, Step, build_rows, render_rows, row_axes, row_default
 
 BLOCKS = [64, 128, 256, 512]
@@ -167,7 +178,7 @@ def _aligned(m: TensorMeta, dims: list[int], vec: int) -> bool:
     """`vec` consecutive elements along the last dim form aligned vectors wherever `dims` index."""
     if m.stride[3] != 1 or any(m.shape[d] != 1 and m.stride[d] % vec for d in dims):
         return False
-    return (m.storage_offset * DTYPE_SIZES[m.dtype]) % min(16, vec * DTYPE_SIZES[m.dtype]) == 0
+    return (m.storage_offset * DTYPE_SIZES[m.dtype]) % vec_bytes(DTYPE_SIZES[m.dtype], vec) == 0
 
 
 def max_axes(plan: PoolPlan) -> dict[str, list]:
@@ -290,12 +301,10 @@ __global__ void __launch_bounds__({block}) fp_maxpool(const fp_args p) {{
   }}
 }}
 """
-    checks = []
-    if lv > 1:
-        checks.append(f"(uintptr_t)p.x % {min(16, lv * DTYPE_SIZES[x.dtype])}u == 0")
+    checks = [("p.x", vec_bytes(DTYPE_SIZES[x.dtype], lv))] if lv > 1 else []
     if vstore:
-        checks += [f"(uintptr_t)p.out % {min(16, owt * osz)}u == 0", f"(uintptr_t)p.idx % {min(16, owt * 8)}u == 0"]
-    cond = " && ".join(checks) or "true"
+        checks += [("p.out", vec_bytes(osz, owt)), ("p.idx", vec_bytes(8, owt))]
+    cond = align_check(checks)
     grid = ceil_div(units, block)
     launch = (f"fp_args p;\n  p.x = (const {xt}*)call->inputs[0].data;\n  p.out = ({ot}*)call->outputs[0].data;\n  "
               f"p.idx = (int64_t*)call->outputs[1].data;\n  "
