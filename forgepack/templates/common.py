@@ -213,6 +213,11 @@ def common_refusal(card: Card, target: str) -> str | None:
         return reason
     if not card.outputs or any(o.numel == 0 for o in card.outputs[:1]):
         return "empty output"
+    return layout_refusal(card)
+
+
+def layout_refusal(card: Card) -> str | None:
+    """Layouts no kernel is rendered for: negative strides, more than 8 dims."""
     for m in [m for m in card.tensor_inputs() if m is not None] + list(card.outputs):
         if any(s < 0 for s in m.stride):
             return "negative stride"

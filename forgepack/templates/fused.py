@@ -41,6 +41,7 @@ from forgepack.templates.common import (
     flit,
     index_type,
     launch_status,
+    layout_refusal,
     prelude,
 )
 from forgepack.templates.rowreduce import Param, RowProgram, RowTemplate, Step, build_rows
@@ -251,11 +252,9 @@ class FusedTemplate(Template):
             return reason
         if not card.outputs or any(o.numel == 0 for o in card.outputs):
             return "empty output"
-        for m in [m for m in card.tensor_inputs() if m is not None] + list(card.outputs):
-            if any(s < 0 for s in m.stride):
-                return "negative stride"
-            if len(m.shape) > 8:
-                return "more than 8 dims"
+        reason = layout_refusal(card)
+        if reason:
+            return reason
         if card.scalars():
             return "fusion cards take no scalars"
         try:
