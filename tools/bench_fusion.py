@@ -50,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import benchlib
-from bench_graphs import load_pack, relative_diff, rewinder, timed_call
+from bench_graphs import load_pack, relative_diff, rewinder, run_rounds, timed_call
 
 from forgepack import fusion, models, opcall, recipe, samples, timing
 from forgepack.capture import capture
@@ -268,14 +268,7 @@ def measure(b: Built, pm, pack, args, deadline: float, left: int, compile_cost: 
                 col.leave()
             col.hits = hits_per_forward(pm, col, lm, rewind) if not col.note else None
         live = [c for c in cols if not c.note]
-        for rnd in range(args.rounds):
-            for col in live[rnd % len(live):] + live[:rnd % len(live)]:
-                col.enter()
-                try:
-                    for _ in range(args.iters):
-                        col.times.append(timed_call(col, lm, rewind)[0])
-                finally:
-                    col.leave()
+        run_rounds(live, lm, rewind, args.rounds, args.iters)
     if not with_compile and not args.no_compile:
         cols.append(Column("compile", None))
         cols[-1].note = "skipped: time budget"

@@ -99,6 +99,18 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def run_rounds(live: list, lm, rewind, rounds: int, iters: int) -> None:
+    """`iters` timed calls per column per round, the columns' order rotating each round."""
+    for rnd in range(rounds):
+        for col in live[rnd % len(live):] + live[:rnd % len(live)]:
+            col.enter()
+            try:
+                for _ in range(iters):
+                    col.times.append(timed_call(col, lm, rewind)[0])
+            finally:
+                col.leave()
+
+
 def timed_call(col: Column, lm: models.LoadedModel, rewind) -> tuple[float, Any]:
     """One call in milliseconds, the GPU idle before it; the decode cache is rewound afterwards."""
     sync(lm.device)
@@ -185,14 +197,7 @@ def bench_recipe(name: str, args, pack: Any, deadline: float, left: int, compile
             if col.compile_s is not None:
                 compile_cost.append(col.compile_s)
         live = [c for c in cols if not c.note]
-        for rnd in range(args.rounds):
-            for col in live[rnd % len(live):] + live[:rnd % len(live)]:
-                col.enter()
-                try:
-                    for _ in range(args.iters):
-                        col.times.append(timed_call(col, lm, rewind)[0])
-                finally:
-                    col.leave()
+        run_rounds(live, lm, rewind, args.rounds, args.iters)
     result = summarise(cols)
     del lm, cols
     torch._dynamo.reset()
