@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 
 from forgepack.cards import Arg, Card, Profile, TensorMeta
 from forgepack.search import allocator
@@ -205,7 +206,7 @@ def test_reach_is_learned_from_what_successes_reached():
 
 
 def _meta(shape, dtype="float32"):
-    stride = tuple(int(x) for x in __import__("torch").empty(shape).stride())
+    stride = torch.empty(shape).stride()
     return TensorMeta(dtype, tuple(shape), stride)
 
 
