@@ -15,7 +15,8 @@
 # the host's CPUs: eager timings are launch-bound and so CPU-sensitive; every benchmark compares its
 # columns interleaved in one process, so the ratios hold, but absolute ms move with the load.
 #
-# Stages: tests graphtests profile evaluate templates search dispatch packs fusion graphs
+# Stages: tests graphtests profile evaluate templates search dispatch packs fusion graphs probe
+#   search=a+b: the allocator-vs-uniform benchmark on these recipes only (per lane).
 #   packs: builds a pack per recipe and times eager / pack / graphs / pack+graphs / torch.compile /
 #          reduce-overhead side by side (issues 6, 7, 8), then renders the report of the Llama prefill
 #          build when it is among them. Knobs: PACK_BUDGET (24), PACK_TIME (seconds before no new recipe
@@ -67,7 +68,11 @@ run_stage() {
     profile)   stage profile "${PROFILE_TIME:-150}" python3 tools/bench_profile.py $REFERENCE ;;
     evaluate)  stage evaluate "${EVALUATE_TIME:-150}" python3 tools/bench_evaluate.py --count 20 ;;
     templates) stage templates "${TEMPLATES_TIME:-200}" python3 tools/bench_templates.py --budget-s "${TEMPLATES_SEARCH_S:-120}" ${TEMPLATES_ARGS:-} ;;
-    search)    stage search "${SEARCH_TIME:-300}" python3 tools/bench_search.py ${SEARCH_ARGS:-} ;;
+    search|search=*) # search=a+b: these recipes (per lane); else SEARCH_ARGS decides
+               local search_args=${SEARCH_ARGS:-}
+               [[ $1 == search=* ]] && search_args="--recipes ${1#search=}" && search_args=${search_args//+/ }
+               stage search "${SEARCH_TIME:-300}" python3 tools/bench_search.py $search_args ;;
+    probe)     stage probe "${PROBE_TIME:-150}" python3 tools/probe_layouts.py ${PROBE_ARGS:-} ;;
     dispatch)  stage dispatch 60 python3 tools/bench_dispatch.py ;;
     packs|packs=*) # packs=a+b: these recipes (per lane); else PACK_RECIPES, else the six reference recipes
                local recipes=${PACK_RECIPES:-$REFERENCE}

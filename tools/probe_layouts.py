@@ -1,0 +1,176 @@
+"""Where the gap to torch.compile(mode="reduce-overhead") comes from: layout probes on the GPU.
+
+Three questions, each answered with GPU time from CUDA graph replay (launch cost out of the picture),
+columns measured side by side in one process:
+
+1. GPT-2's LM head, f16[1024,768] @ f16[768,50257]: the vocabulary is odd, so the output's row stride
+   is not a multiple of 8 elements and cuBLAS cannot use its vectorised epilogue. How much do the
+   layout rewrites a pack could make (padded weight + slice copy, transposed product + transpose
+   copy, padded output view) save, and are they the same numbers?
+2. ResNet-50 (fp16, b16, 224 px): stock NCHW vs channels-last weights (activations follow), whole
+   forward replayed from a CUDA graph.
+3. Two read streams and one write stream (add, cat) vs copy: does placing the inputs at offsets that
+   are not a power of two apart change the bandwidth (DRAM channel conflicts)?
+
+    python tools/probe_layouts.py [--only lmhead,resnet,streams]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from tabulate import tabulate
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import benchlib
+
+
+def graph_us(fn: Callable[[], object], reps: int = 20, rounds: int = 7) -> float:
+    """Median µs of one call of `fn`, replayed `reps` times from one CUDA graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    times = []
+    for _ in range(rounds):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000 / reps)
+    del graph
+    return statistics.median(times)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-6)).item())
+
+
+def probe_lmhead() -> list[dict]:
+    m, k, n = 1024, 768, 50257
+    npad = (n + 7) // 8 * 8
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(m, k, device="cuda", dtype=torch.float16, generator=gen)
+    w = torch.randn(n, k, device="cuda", dtype=torch.float16, generator=gen) * 0.05
+    wpad = torch.nn.functional.pad(w, (0, 0, 0, npad - n))
+    out = torch.empty(m, n, device="cuda", dtype=torch.float16)
+    buf = torch.empty(m, npad, device="cuda", dtype=torch.float16)
+    ref = x @ w.t()
+    variants = {
+        "stock mm (odd N)": lambda: torch.mm(x, w.t()),
+        "mm into stock output buffer": lambda: torch.mm(x, w.t(), out=out),
+        "padded weight, mm, slice copy": lambda: torch.mm(x, wpad.t())[:, :n].contiguous(),
+        "padded weight, mm only (no copy)": lambda: torch.mm(x, wpad.t()),
+        "mm into padded view (out=)": lambda: torch.mm(x, w.t(), out=buf[:, :n]),
+        "padded view + contiguous copy": lambda: torch.mm(x, w.t(), out=buf[:, :n]).contiguous(),
+        "transposed product W@x^T": lambda: torch.mm(w, x.t()),
+        "transposed product + stock transpose copy": lambda: torch.mm(w, x.t()).t().contiguous(),
+        "slice copy alone": lambda: buf[:, :n].contiguous(),
+    }
+    rows = []
+    for name, fn in variants.items():
+        try:
+            us = graph_us(fn)
+            res = fn()
+            err = rel_err(res, ref) if res.shape == ref.shape else float("nan")
+            rows.append({"variant": name, "us": us, "rel_err": err,
+                         "contiguous": bool(res.is_contiguous()), "tflops": 2 * m * n * k / us / 1e6})
+        except Exception as exc:  # a probe: record and go on
+            rows.append({"variant": name, "us": float("nan"), "error": f"{type(exc).__name__}: {exc}"[:200]})
+        print(rows[-1], flush=True)
+    return rows
+
+
+def resnet(channels_last: bool) -> tuple[torch.nn.Module, torch.Tensor]:
+    import transformers
+
+    cfg = transformers.ResNetConfig(embedding_size=64, hidden_sizes=[256, 512, 1024, 2048], depths=[3, 4, 6, 3],
+                                    layer_type="bottleneck", hidden_act="relu", num_labels=1000)
+    torch.manual_seed(0)
+    model = transformers.ResNetForImageClassification(cfg).to("cuda", torch.float16).eval()
+    x = torch.randn(16, 3, 224, 224, device="cuda", dtype=torch.float16)
+    if channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    return model, x
+
+
+def probe_resnet() -> list[dict]:
+    rows = []
+    ref = None
+    for cl in (False, True):
+        model, x = resnet(cl)
+        with torch.no_grad():
+            logits = model(pixel_values=x).logits
+            ref = logits if ref is None else ref
+            us = graph_us(lambda m=model, x=x: m(pixel_values=x), reps=5)
+        rows.append({"variant": "channels-last weights" if cl else "stock NCHW", "us": us,
+                     "rel_err": rel_err(logits, ref)})
+        print(rows[-1], flush=True)
+    return rows
+
+
+def probe_streams() -> list[dict]:
+    rows = []
+    rows_n, cols = 65536, 4096
+    numel = rows_n * cols
+    base = torch.empty(3 * numel + 3 * 65536, device="cuda", dtype=torch.bfloat16)
+    for label, gap in (("power-of-two apart", 0), ("+64 KiB skew", 32768), ("+4 KiB skew", 2048)):
+        a = base[:numel].view(rows_n, cols).normal_()
+        b = base[numel + gap: 2 * numel + gap].view(rows_n, cols).normal_()
+        c = base[2 * numel + 2 * gap: 3 * numel + 2 * gap].view(rows_n, cols)
+        half = cols // 2
+        rows += stream_rows(label, a, b, c, half)
+    return rows
+
+
+def stream_rows(label: str, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, half: int) -> list[dict]:
+    a2, b2 = a[:, :half].contiguous(), b[:, :half].contiguous()
+    rows = []
+    for name, fn, nbytes in (
+        ("copy", lambda: c.copy_(a), 2 * a.nbytes),
+        ("add", lambda: torch.add(a, b, out=c), 3 * a.nbytes),
+        ("cat", lambda: torch.cat([a2, b2], dim=-1, out=c), 2 * c.nbytes),
+    ):
+        us = graph_us(fn, reps=5)
+        rows.append({"variant": f"{name}, {label}", "us": us, "gbps": nbytes / us / 1e3})
+        print(rows[-1], flush=True)
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", default="lmhead,resnet,streams")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("probe_layouts needs a CUDA GPU")
+        return 1
+    info = benchlib.meta()
+    probes = {"lmhead": probe_lmhead, "resnet": probe_resnet, "streams": probe_streams}
+    data: dict = {"meta": info}
+    md = benchlib.header_md("Layout probes (GPU time from CUDA graph replay)", info)
+    for name in args.only.split(","):
+        try:
+            data[name] = probes[name]()
+        except Exception as exc:
+            data[name] = [{"variant": "probe failed", "error": f"{type(exc).__name__}: {exc}"[:300]}]
+        md += f"## {name}\n\n{tabulate(data[name], headers='keys', floatfmt='.3g', tablefmt='github')}\n\n"
+        torch.cuda.empty_cache()
+    benchlib.write("probe_layouts", data, md)
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
