@@ -1,7 +1,9 @@
 """Bytes, FLOPs and roofline time of one call of a card, from its metadata alone.
 
 Bytes: each input's touched storage read once plus each output written once (the fewest bytes any
-kernel must move). FLOPs: exact for matrix products, convolutions and attention (where arithmetic can
+kernel must move). Inputs with equal metadata count once each: a card does not record whether two
+inputs alias, a kernel served for it cannot assume they do, and in models they rarely do (a residual
+add, the halves of a cat). Counting them once made a binary add's roofline a third too fast. FLOPs: exact for matrix products, convolutions and attention (where arithmetic can
 dominate); one per output element otherwise (memory-bound ops, where bytes dominate anyway).
 Roofline time = max(bytes / bandwidth, FLOPs / peak) on the measured ceilings.
 """
@@ -31,13 +33,8 @@ def _span_bytes(t: TensorMeta) -> int:
 
 
 def card_bytes(card: Card) -> int:
-    seen, total = set(), 0
-    for t in card.tensor_inputs():
-        if t is None or t.key() in seen:
-            continue
-        seen.add(t.key())
-        total += _span_bytes(t)
-    return total + sum(o.nbytes for o in card.outputs)
+    reads = sum(_span_bytes(t) for t in card.tensor_inputs() if t is not None)
+    return reads + sum(o.nbytes for o in card.outputs)
 
 
 def card_flops(card: Card) -> int:

@@ -77,6 +77,17 @@ def test_roofline_counts_matmul_flops_and_bytes():
     assert roof.us == pytest.approx(max(card_bytes(card) / 10e9, card_flops(card) / 1e12) * 1e6)
 
 
+def test_roofline_reads_every_input_even_when_two_look_alike():
+    # A residual add of two same-shaped tensors moves three tensors, not two: equal metadata says
+    # nothing about aliasing (the first H200 templates table under-counted add and cat this way).
+    a, b = torch.randn(64, 32), torch.randn(64, 32)
+    card, _, _ = card_from_call(torch.ops.aten.add.Tensor, (a, b))
+    assert card_bytes(card) == 3 * a.nbytes
+    halves = [torch.randn(16, 8), torch.randn(16, 8)]
+    card, _, _ = card_from_call(torch.ops.aten.cat.default, (halves, -1))
+    assert card_bytes(card) == 4 * halves[0].nbytes
+
+
 def test_diagnosis_says_launch_bound_when_gpu_is_idle(tiny_profile):
     _, _, _, cards = tiny_profile
     assert profile.diagnose(0.3, 10.0, 9.0, cards).startswith("launch-bound")
