@@ -19,6 +19,7 @@ import dataclasses
 import hashlib
 import json
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -217,6 +218,16 @@ def _short_value(value: Any) -> str:
     if isinstance(value, list | tuple):
         return "[" + ",".join(_short_value(v) for v in value) + "]"
     return str(value)
+
+
+def output_key(op: str, outs: Iterable[dict[str, Any]]) -> tuple:
+    """What identifies an operator call across a fusion chain and the operator cards: op and outputs'
+    layouts (`outs`: dicts with dtype, shape, stride, as chain entries record them)."""
+    return op, tuple((o["dtype"], tuple(o["shape"]), tuple(o["stride"])) for o in outs)
+
+
+def card_output_key(card: Card) -> tuple:
+    return output_key(card.op, ({"dtype": m.dtype, "shape": m.shape, "stride": m.stride} for m in card.outputs))
 
 
 def variant_id(op: str, args: tuple[Arg, ...]) -> str:

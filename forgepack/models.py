@@ -66,8 +66,8 @@ class LoadedModel:
         for name, value in self.inputs.items():
             if not isinstance(value, torch.Tensor) or name in ("cache_position", "attention_mask", "position_ids"):
                 continue
-            if value.dtype.is_floating_point:
-                fresh[name] = torch.randn(value.shape, generator=gen).to(value.device, value.dtype)
+            if value.dtype.is_floating_point:  # empty_like keeps the layout (channels-last pixels)
+                fresh[name] = torch.empty_like(value).copy_(torch.randn(value.shape, generator=gen))
             else:
                 high = self.extra.get("vocab_size", int(value.max()) + 1)
                 fresh[name] = torch.randint(0, high, value.shape, generator=gen).to(value.device)
@@ -115,6 +115,8 @@ def load(recipe: Recipe) -> LoadedModel:
     check_dtype(dtype, device)
     model = _build(recipe, device, dtype)
     model.eval()
+    if recipe.workload.memory_format == "channels_last":
+        model = model.to(memory_format=torch.channels_last)
     return _with_inputs(recipe, model, device, dtype)
 
 
@@ -180,6 +182,8 @@ def _with_inputs(recipe: Recipe, model: torch.nn.Module, device: torch.device, d
         size = w.image_size
         channels = getattr(config, "num_channels", 3)
         pixels = torch.randn(w.batch, channels, size, size, generator=gen).to(device, dtype)
+        if w.memory_format == "channels_last":
+            pixels = pixels.contiguous(memory_format=torch.channels_last)
         return LoadedModel(recipe, model, {"pixel_values": pixels}, device, dtype)
     vocab = config.get_text_config().vocab_size
     ids = torch.randint(0, vocab, (w.batch, w.seq_len), generator=gen).to(device)

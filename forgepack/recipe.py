@@ -23,6 +23,7 @@ DEFAULT_RECIPE = "tiny-llama"
 TASKS = ("causal-lm", "text-encoder", "image-classification")
 PHASES = ("prefill", "decode")
 DTYPES = ("float32", "float16", "bfloat16")
+MEMORY_FORMATS = ("contiguous", "channels_last")
 TARGETS = ("cpu", "cuda", "auto")  # auto: cuda when a GPU is visible, else cpu (resolved on use)
 PROPOSERS = ("templates", "anthropic")
 
@@ -56,6 +57,10 @@ class Workload:
     image_size: int = 224
     dtype: str = "float32"
     static_cache: bool = False  # decode: transformers StaticCache, so each step has fixed shapes
+    # Image models: "channels_last" serves the model with channels-last weights and inputs (as
+    # `model.to(memory_format=torch.channels_last)` does in serving code): cuDNN's fast fp16 convs are
+    # NHWC, and every activation between them then is too. The cards, kernels and guards follow it.
+    memory_format: str = "contiguous"
 
 
 @dataclass(frozen=True)
@@ -162,6 +167,10 @@ def _check(origin: str, r: Recipe) -> None:
     _one_of(origin, "workload.task", w.task, TASKS)
     _one_of(origin, "workload.phase", w.phase, PHASES)
     _one_of(origin, "workload.dtype", w.dtype, DTYPES)
+    _one_of(origin, "workload.memory_format", w.memory_format, MEMORY_FORMATS)
+    if w.memory_format != "contiguous" and w.task != "image-classification":
+        raise UsageError(f"{origin}: 'workload.memory_format' = {w.memory_format!r} needs task "
+                         f"\"image-classification\", got {w.task!r}")
     _one_of(origin, "target.device", t.device, TARGETS)
     _one_of(origin, "build.proposer", b.proposer, PROPOSERS)
     for key, value in (("batch", w.batch), ("seq_len", w.seq_len), ("image_size", w.image_size)):

@@ -3,7 +3,8 @@
 Bytes: each input's touched storage read once plus each output written once (the fewest bytes any
 kernel must move). Inputs with equal metadata count once each: a card does not record whether two
 inputs alias, a kernel served for it cannot assume they do, and in models they rarely do (a residual
-add, the halves of a cat). Counting them once made a binary add's roofline a third too fast. FLOPs: exact for matrix products, convolutions and attention (where arithmetic can
+add, the halves of a cat). Counting them once made a binary add's roofline a third too fast.
+FLOPs: exact for matrix products, convolutions and attention (where arithmetic can
 dominate); one per output element otherwise (memory-bound ops, where bytes dominate anyway).
 Roofline time = max(bytes / bandwidth, FLOPs / peak) on the measured ceilings.
 """

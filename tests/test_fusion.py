@@ -74,6 +74,12 @@ def resnet():
 
 
 @pytest.fixture(scope="module")
+def resnet_cl():
+    r = recipe.resolve("tiny-resnet")
+    return _find(_load(dataclasses.replace(r, workload=dataclasses.replace(r.workload, memory_format="channels_last"))))
+
+
+@pytest.fixture(scope="module")
 def gpt2():
     return _find(_load(recipe.from_dict(TINY_GPT2)))
 
@@ -115,6 +121,28 @@ def test_resnet_chains_bn_relu_and_add_relu(resnet):
     for c in add:
         assert [e["op"].split(".")[1] for e in c.chain] == ["add_", "relu"]
     assert sum(c.calls for c in add) == sum(resnet.lm.model.config.depths)
+
+
+def test_channels_last_resnet_fuses_and_its_kernels_walk_memory_order(resnet_cl, tmp_path):
+    # Served channels-last, the same chains appear with NHWC activations; the pointwise kernel walks
+    # them n, h, w, c, so output, input and per-channel parameters are each one stride-1 run.
+    lm = resnet_cl.lm
+    assert lm.inputs["pixel_values"].is_contiguous(memory_format=torch.channels_last)
+    fresh = lm.make_inputs(7)["pixel_values"]
+    assert fresh.is_contiguous(memory_format=torch.channels_last) and not fresh.is_contiguous()
+    cards = resnet_cl.by_pattern("bn_act") + resnet_cl.by_pattern("add_act")
+    assert cards and not resnet_cl.checked.dropped
+    t = fused.TEMPLATES[0]
+    with Evaluator("cpu") as ev:
+        for card in cards:
+            out = card.outputs[0]
+            assert out.stride[1] == 1 and not out.is_contiguous()
+            (job,) = next(iter(t.plan(card, "cpu").values()))
+            assert len(job.shape) <= 2 and job.out.strides[-1] == 1
+            assert all(v.strides[-1] in (0, 1) for v in job.ins)
+            card, path = _saved(card, resnet_cl.checked.samples[card.id], tmp_path)
+            v = ev.evaluate(card, t.render(card, "cpu", t.default(card, "cpu")), samples_path=path, bench=False)
+            assert v.accepted, (card.id, v.category, v.reason)
 
 
 def test_gpt2_gelu_chain(gpt2):
@@ -231,6 +259,29 @@ def test_profile_share_uses_the_operator_total(llama):
         p = c.profile
         assert p.baseline == "fusion" and p.eager_us > 0 and p.total_us == pytest.approx(p.eager_us * c.calls)
         assert p.share == pytest.approx(p.total_us / 1e6) and p.bytes > 0 and p.roofline_us > 0
+
+
+def test_a_chain_costs_no_more_than_its_own_operator_calls(llama):
+    # Replayed from Python a chain also pays the replay's interpretation; its share must be what its
+    # operator calls cost in the model's operator total, or fusion shares sum past 100% (the H200 Llama
+    # search reported a 139% "gain"). Every op card here costs 1 µs a call.
+    op_cards = [c.with_profile(cards.Profile(eager_us=1.0, total_us=float(c.calls))) for c in llama.cap.cards]
+    (norm,) = llama.by_pattern("rmsnorm")
+    assert fusion.operator_us(norm, op_cards) == pytest.approx(len(norm.chain))
+    (rot,) = llama.by_pattern("rotary")
+    assert fusion.operator_us(rot, op_cards) == pytest.approx(len(rot.chain))
+    # A view without an operator card launches nothing: it costs nothing, and does not void the sum.
+    launching = [c for c in op_cards if not fusion._is_view(c.op)]
+    views = sum(fusion._is_view(e["op"]) for e in rot.chain)
+    assert views and fusion.operator_us(rot, launching) == pytest.approx(len(rot.chain) - views)
+    assert fusion.operator_us(norm, []) is None  # nothing to compare with: the measured time stands
+    facts = DeviceFacts("cpu", "test", None, 2, 1 << 20, 1 << 30, 10.0, {"float32": 0.1}, torch.__version__, None)
+    total = sum(c.calls for c in op_cards)
+    profiled = fusion.profile_cards(llama.checked.cards, llama.checked.samples, torch.device("cpu"), facts, total,
+                                    op_cards)
+    for c in profiled:
+        assert c.profile.eager_us <= fusion.operator_us(c, op_cards) + 1e-9
+    assert sum(c.profile.total_us for c in profiled) <= total
 
 
 # --- templates -------------------------------------------------------------------------------------------

@@ -47,6 +47,8 @@ BASE = 'name = "x"\n[model]\nconfig = { model_type = "llama" }\n'
         ('name = "x"\n', "a [model] section is required"),
         (BASE + "[workload]\ntask = \"image-classification\"\nphase = \"decode\"\n", "needs task"),
         ("name = \n", "not valid TOML"),
+        (BASE + "[workload]\nmemory_format = \"nhwc\"\n", "'workload.memory_format' must be one of"),
+        (BASE + "[workload]\nmemory_format = \"channels_last\"\n", "needs task \"image-classification\""),
     ],
 )
 def test_bad_recipes_name_the_problem(text, message):

@@ -84,6 +84,15 @@ def _cases():
         ]
         if dt == F16:  # float16 shares bfloat16's code paths except for rounding: a sample keeps CI short
             cases[keep:] = cases[keep::3]
+    # Channels-last activations (a ResNet served channels-last): walked in memory order, n h w c.
+    cl = _x(2, 8, 5, 6, dtype=F16).contiguous(memory_format=torch.channels_last)
+    cl2 = _x(2, 8, 5, 6, dtype=F16, seed=1).contiguous(memory_format=torch.channels_last)
+    cases += [
+        ("elementwise.unary", A.relu.default, (cl,), {}),
+        ("elementwise.binary", A.add.Tensor, (cl, cl2), {}),
+        ("elementwise.binary", A.mul.Tensor, (cl, _x(8, 1, 1, dtype=F16)), {}),
+        ("elementwise.binary", A.add.Tensor, (cl, _x(2, 8, 5, 6, dtype=F16)), {}),  # mixed layouts
+    ]
     x = _x(3, 5, 64)
     cases += [
         ("elementwise.unary", A.relu.default, (x,), {}),
@@ -233,6 +242,19 @@ def test_spaces_defaults_and_neighbours():
         t.render(card, "cuda", {**t.default(card, "cuda"), "block": 3})
     with pytest.raises(ValueError, match="do not match"):
         t.render(card, "cuda", {"block": 256})
+
+
+def test_channels_last_jobs_walk_memory_order_and_vectorise():
+    # A channels-last add with a per-channel operand: walked n, h, w, c it is one contiguous run for
+    # the output and the input, and the channel operand is the inner stride-1 dim, so 16-byte vectors
+    # apply. Walked n, c, h, w (logical order) every store would be strided by C.
+    cl = _x(2, 16, 5, 6, dtype=F16).contiguous(memory_format=torch.channels_last)
+    card = _card(A.mul.Tensor, (cl, _x(16, 1, 1, dtype=F16)), {})
+    t = by_name("elementwise.binary")
+    (job,) = t.plan(card, "cpu")
+    assert job.shape == (2 * 5 * 6, 16)
+    assert job.out.strides == (16, 1) and job.ins[0].strides == (16, 1) and job.ins[1].strides == (0, 1)
+    assert job.best_vec(8) == 8
 
 
 def test_vector_width_respects_alignment_and_layout():

@@ -20,7 +20,8 @@
 #   packs: builds a pack per recipe and times eager / pack / graphs / pack+graphs / torch.compile /
 #          reduce-overhead side by side (issues 6, 7, 8), then renders the report of the Llama prefill
 #          build when it is among them. Knobs: PACK_BUDGET (24), PACK_TIME (seconds before no new recipe
-#          starts, 300), PACK_RECIPES (the six reference recipes).
+#          starts, 300), PACK_RECIPES (the six reference recipes), PACK_HEAVY (recipes that also get the
+#          graphs and reduce-overhead columns: all six).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -78,7 +79,7 @@ run_stage() {
                local recipes=${PACK_RECIPES:-$REFERENCE}
                [[ $1 == packs=* ]] && recipes=${1#packs=} && recipes=${recipes//+/ }
                stage packs "$(( ${PACK_TIME:-300} + 200 ))" python3 tools/bench_packs.py $recipes \
-                 --budget "${PACK_BUDGET:-24}" --heavy llama-1b-prefill,llama-1b-decode,gpt2,resnet-50 \
+                 --budget "${PACK_BUDGET:-24}" --heavy "${PACK_HEAVY:-${REFERENCE// /,}}" \
                  --time-limit "${PACK_TIME:-300}" --workdir "$packs_dir" ${PACK_ARGS:-}
                if [ -d "$packs_dir/llama-1b-prefill" ]; then
                  stage report 60 python3 -m forgepack report "$packs_dir/llama-1b-prefill" \

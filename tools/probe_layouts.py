@@ -58,6 +58,16 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-6)).item())
 
 
+def _with_blas(library: str, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """`fn` with another BLAS backend preferred (a process-wide setting; restored after)."""
+    before = torch.backends.cuda.preferred_blas_library()
+    torch.backends.cuda.preferred_blas_library(library)
+    try:
+        return fn()
+    finally:
+        torch.backends.cuda.preferred_blas_library(before)
+
+
 def probe_lmhead() -> list[dict]:
     m, k, n = 1024, 768, 50257
     npad = (n + 7) // 8 * 8
@@ -78,6 +88,7 @@ def probe_lmhead() -> list[dict]:
         "transposed product W@x^T": lambda: torch.mm(w, x.t()),
         "transposed product + stock transpose copy": lambda: torch.mm(w, x.t()).t().contiguous(),
         "slice copy alone": lambda: buf[:, :n].contiguous(),
+        "stock mm, cuBLASLt preferred": lambda: _with_blas("cublaslt", lambda: torch.mm(x, w.t())),
     }
     rows = []
     for name, fn in variants.items():

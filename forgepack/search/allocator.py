@@ -42,7 +42,7 @@ import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from forgepack.cards import Card
+from forgepack.cards import Card, card_output_key, output_key
 
 # Beta(a, b) priors on "one call improves this card", per baseline class.
 DEFAULT_PRIORS: dict[str, tuple[float, float]] = {
@@ -207,10 +207,6 @@ def card_states(
     return states
 
 
-def _out_key(op: str, outs: Iterable) -> tuple:
-    return op, tuple((o["dtype"], tuple(o["shape"]), tuple(o["stride"])) for o in outs)
-
-
 def coverage(cards: Sequence[Card]) -> dict[str, tuple[tuple[str, float], ...]]:
     """For each operator card, the fraction of its calls that each fusion card's chains contain.
 
@@ -221,12 +217,11 @@ def coverage(cards: Sequence[Card]) -> dict[str, tuple[tuple[str, float], ...]]:
     by_key: dict[tuple, list[Card]] = {}
     for card in cards:
         if card.kind != "fusion":
-            key = _out_key(card.op, ({"dtype": m.dtype, "shape": m.shape, "stride": m.stride} for m in card.outputs))
-            by_key.setdefault(key, []).append(card)
+            by_key.setdefault(card_output_key(card), []).append(card)
     covered: dict[str, dict[str, float]] = {}
     for fusion in (c for c in cards if c.kind == "fusion"):
         for entry in fusion.chain:
-            matches = by_key.get(_out_key(entry["op"], entry.get("outs", ())), [])
+            matches = by_key.get(output_key(entry["op"], entry.get("outs", ())), [])
             total = sum(c.calls for c in matches)
             for card in matches:
                 if card.calls and total:  # it takes fusion.calls * card.calls / total of card's calls

@@ -322,9 +322,18 @@ def broadcast_view(meta: TensorMeta, shape: tuple[int, ...]) -> View | None:
     return View(meta.dtype, tuple(strides), 0, meta.storage_offset)
 
 
-def coalesce(shape: tuple[int, ...], views: list[View]) -> tuple[tuple[int, ...], list[View]]:
-    """Merge adjacent dims that every view walks as one (as TensorIterator does); drop size-1 dims."""
+def coalesce(shape: tuple[int, ...], views: list[View], reorder: bool = False) -> tuple[tuple[int, ...], list[View]]:
+    """Merge adjacent dims that every view walks as one (as TensorIterator does); drop size-1 dims.
+
+    `reorder`: first walk the dims in the order of the first view's strides, outermost first (as
+    TensorIterator does for the output). A channels-last output then runs n, h, w, c: its stores and
+    every same-layout input become one contiguous run (vectorisable), and a per-channel parameter
+    becomes the inner, stride-1 dim instead of a gather. Only for jobs whose element order is free:
+    every view moves with the same permutation, so each index still names one element of each."""
     dims = [d for d, n in enumerate(shape) if n != 1]
+    if reorder and views:
+        first = views[0].strides
+        dims.sort(key=lambda d: -first[d])  # stable: ties keep their logical order
     if not dims:
         return (1,), [View(v.dtype, (0,), v.offset, v.storage_offset) for v in views]
     new_shape = [shape[dims[0]]]

@@ -156,7 +156,7 @@ def make_job(out_meta, out_slot: int, in_metas: list, in_slots: list[int], expr:
         if v is None:
             return None
         ins.append(v)
-    cshape, cviews = coalesce(shape, [out_view, *ins])
+    cshape, cviews = coalesce(shape, [out_view, *ins], reorder=True)
     return Job(cshape, cviews[0], out_slot, tuple(cviews[1:]), tuple(in_slots), expr)
 
 

@@ -375,7 +375,7 @@ def _pointwise_job(card: Card, chain: list[Entry], target: str, form: str) -> ew
     out_view = View(out.dtype, tuple(0 if n == 1 else s for n, s in zip(shape, out.stride, strict=True)), 0,
                     out.storage_offset)
     views = sorted(leaves, key=leaves.get)
-    cshape, cviews = coalesce(shape, [out_view, *[v for _, v in views]])
+    cshape, cviews = coalesce(shape, [out_view, *[v for _, v in views]], reorder=True)
     return ew.Job(cshape, cviews[0], 0, tuple(cviews[1:]), tuple(s for s, _ in views), expr)
 
 
