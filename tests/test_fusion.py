@@ -145,6 +145,18 @@ def test_channels_last_resnet_fuses_and_its_kernels_walk_memory_order(resnet_cl,
             assert v.accepted, (card.id, v.category, v.reason)
 
 
+def test_a_channels_last_pack_warns_about_an_nchw_model(resnet_cl, resnet):
+    # Correct either way (guards miss, stock runs), but useless: activate(model=...) says how to fix it.
+    from forgepack.pack import runtime
+
+    cl = {"memory_format": "channels_last"}
+    assert runtime.layout_problem(resnet_cl.lm.model, cl) is None
+    problem = runtime.layout_problem(resnet.lm.model, cl)
+    assert "model.to(memory_format=torch.channels_last)" in problem
+    assert runtime.layout_problem(resnet.lm.model, {"memory_format": "contiguous"}) is None
+    assert runtime.layout_problem(resnet.lm.model, {}) is None  # packs built before the field existed
+
+
 def test_gpt2_gelu_chain(gpt2):
     (gelu,) = gpt2.by_pattern("gelu_tanh")
     assert gelu.calls == gpt2.lm.model.config.n_layer

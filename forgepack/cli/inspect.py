@@ -72,7 +72,8 @@ def overview(m: Manifest) -> Table:
                                                                             if w.get("cache_len") else ""))
     rows = [
         ("model", f"{m.model.get('recipe', '?')} ({m.model.get('source', '?')})"),
-        ("workload", f"{w.get('task')} {w.get('phase', '')}, {shape}, {w.get('dtype')}"),
+        ("workload", f"{w.get('task')} {w.get('phase', '')}, {shape}, {w.get('dtype')}"
+                     + (f", {w['memory_format']}" if w.get("memory_format", "contiguous") != "contiguous" else "")),
         ("target", m.target + (f" {m.arch}" if m.arch else "")),
         ("built with", f"torch {m.torch}" + (f", CUDA {m.cuda}" if m.cuda else "") + f", {m.platform}, "
                        f"python {m.python}"),

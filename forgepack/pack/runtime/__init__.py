@@ -165,6 +165,10 @@ def activate(strict: bool = False, graphs: bool = False, model: Any = None, **gr
     pack's kernels inside (`graphs.GraphedForward`; `graph_options` are its options): for `model` if
     given, else for every instance of the model class the pack was built for. Where the build found
     the forward unsafe to capture, the manifest says why and graph mode stays off (one warning).
+
+    Given `model`, it also checks that the model is laid out as the pack was built for: a pack built
+    for a channels-last model on an NCHW one would be correct but useless (every guard misses), so
+    that gets a warning saying how to convert it.
     """
     with _LOCK:
         if _disabled():
@@ -172,6 +176,9 @@ def activate(strict: bool = False, graphs: bool = False, model: Any = None, **gr
             return False
         try:
             ok = _STATE["active"] or _activate(strict)
+            problem = layout_problem(model, manifest().get("workload", {})) if ok and model is not None else None
+            if problem:
+                warnings.warn(f"{__name__}: {problem}", RuntimeWarning, stacklevel=3)
             if ok and graphs:
                 _enable_graphs(model, graph_options)
             return ok
@@ -180,6 +187,19 @@ def activate(strict: bool = False, graphs: bool = False, model: Any = None, **gr
         except Exception as err:  # a pack must never break the process it was imported into
             first = (str(err).splitlines() or [""])[0]
             return _refuse(f"could not activate ({type(err).__name__}: {first})", strict, depth=3)
+
+
+def layout_problem(model: Any, workload: dict[str, Any]) -> str | None:
+    """Why `model` will not hit this pack's kernels for its layout, or None: the pack was built for a
+    channels-last model and some 4-d weight (a convolution's) is not channels-last."""
+    if workload.get("memory_format") != "channels_last" or not hasattr(model, "parameters"):
+        return None
+    weights = [p for p in model.parameters() if p.dim() == 4]
+    if all(p.is_contiguous(memory_format=torch.channels_last) for p in weights):
+        return None
+    return ("this pack was built for a channels-last model, and this one is not: its kernels' guards "
+            "will miss and stock PyTorch will run. Convert it once before serving: "
+            "model = model.to(memory_format=torch.channels_last) (and its image inputs likewise)")
 
 
 def _model_class() -> type | None:
