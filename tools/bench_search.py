@@ -49,7 +49,7 @@ def gain_curve(store: Store, cards: list, budget: int) -> dict[int, float]:
     history = []
     for call in sorted(store.calls(), key=lambda c: c.id):
         cand = candidates.get(call.candidate_id) if call.candidate_id else None
-        history.append(run._result(cand) if call.outcome == "new" and cand is not None
+        history.append(run.call_result(cand) if call.outcome == "new" and cand is not None
                        else allocator.CallResult(call.card_id))
     points = sorted({k for k in CHECKPOINTS if k < min(budget, len(history))} | {len(history)})
     return {k: allocator.total_gain(allocator.card_states(cards, history[:k])) for k in points}

@@ -155,15 +155,17 @@ def card_states(
     unsupported: Callable[[Card], str | None] = lambda card: None,
     exhausted: Iterable[str] = (),
     improvement: float = Config.improvement,
+    covers: dict[str, tuple[tuple[str, float], ...]] | None = None,
 ) -> list[CardState]:
     """Allocator states from profiled cards and the calls made so far (in call order).
 
     The best speed-up follows every accepted kernel; a call is a success (for p and patience) when it
-    gives the card its first accepted kernel or beats the best by more than `improvement`.
+    gives the card its first accepted kernel or beats the best by more than `improvement`. `covers`:
+    `coverage(cards)`, when the caller keeps it (the cards of a search never change).
     """
     exhausted = set(exhausted)
     cards = list(cards)
-    covers = coverage(cards)
+    covers = coverage(cards) if covers is None else covers
     by_card: dict[str, list[CallResult]] = {}
     for result in history:
         by_card.setdefault(result.card_id, []).append(result)

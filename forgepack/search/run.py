@@ -183,13 +183,14 @@ class Search:
         self.inflight: dict[Future, CandidateRecord] = {}
         self.new_calls = 0
         self.evaluated = 0
+        self._covers = allocator.coverage(list(self.cards.values()))  # the cards never change
 
     # --- state -----------------------------------------------------------------------------------
 
     def states(self) -> list[allocator.CardState]:
         return allocator.card_states(
             self.cards.values(), self.history.values(), lambda c: self._unsupported[c.id], self.exhausted,
-            self.cfg.improvement,
+            self.cfg.improvement, self._covers,
         )
 
     def _rebuild(self) -> list[CandidateRecord]:
@@ -209,7 +210,7 @@ class Search:
                 continue
             cand = candidates.get(call.candidate_id) if call.candidate_id else None
             if call.outcome == "new" and cand is not None:
-                self.history[call.id] = _result(cand)
+                self.history[call.id] = call_result(cand)
                 self.call_candidate[call.id] = cand.id
             else:
                 self.history[call.id] = CallResult(call.card_id)
@@ -400,7 +401,7 @@ class Search:
             self.exhausted.discard(cand.card_id)  # a new working node may open the tree again
             for call_id, candidate_id in self.call_candidate.items():
                 if candidate_id == cand.id:
-                    self.history[call_id] = _result(cand)
+                    self.history[call_id] = call_result(cand)
             self.reporter.evaluated(cand, self.summary(cand.card_id))
 
     def _keep_binary(self, cand: CandidateRecord, verdict: Any) -> str | None:
@@ -445,7 +446,8 @@ class Search:
         return sorted(out, key=lambda k: -self.cards[k.card_id].profile.share)
 
 
-def _result(cand: CandidateRecord) -> CallResult:
+def call_result(cand: CandidateRecord) -> CallResult:
+    """What a candidate did for its call, as the allocator counts it (pending until evaluated)."""
     if cand.state == "pending":
         return CallResult(cand.card_id, pending=True)
     return CallResult(cand.card_id, accepted=bool(cand.accepted), speedup=cand.speedup)
