@@ -92,6 +92,10 @@ def _cases():
         ("elementwise.binary", A.add.Tensor, (cl, cl2), {}),
         ("elementwise.binary", A.mul.Tensor, (cl, _x(8, 1, 1, dtype=F16)), {}),
         ("elementwise.binary", A.add.Tensor, (cl, _x(2, 8, 5, 6, dtype=F16)), {}),  # mixed layouts
+        # Other permuted layouts: the output's stride order decides the walk, inputs follow.
+        ("elementwise.unary", A.relu.default, (_x(3, 5, 7).permute(2, 0, 1),), {}),
+        ("elementwise.binary", A.mul.Tensor, (_x(4, 6, 8).permute(1, 2, 0), _x(6, 8, 4)), {}),
+        ("elementwise.binary", A.sub.Tensor, (_x(6, 4, 8).transpose(0, 1), _x(4, 1, 8)), {"alpha": 3}),
     ]
     x = _x(3, 5, 64)
     cases += [
