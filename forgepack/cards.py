@@ -230,6 +230,15 @@ def card_output_key(card: Card) -> tuple:
     return output_key(card.op, ({"dtype": m.dtype, "shape": m.shape, "stride": m.stride} for m in card.outputs))
 
 
+def by_output(cards: Iterable[Card]) -> dict[tuple, list[Card]]:
+    """Operator cards by `card_output_key`: where a fusion chain's entries find their operator calls."""
+    index: dict[tuple, list[Card]] = {}
+    for card in cards:
+        if card.kind != "fusion":
+            index.setdefault(card_output_key(card), []).append(card)
+    return index
+
+
 def variant_id(op: str, args: tuple[Arg, ...]) -> str:
     """Stable short id of a variant: op overload + full signature."""
     digest = hashlib.sha256(repr((op, tuple(a.key() for a in args))).encode()).hexdigest()[:10]

@@ -48,7 +48,7 @@ import torch
 from forgepack import opcall
 from forgepack import samples as samples_mod
 from forgepack.capture import Capture, ModuleCall, fold_path
-from forgepack.cards import Arg, Card, Profile, TensorMeta, card_output_key, output_key
+from forgepack.cards import Arg, Card, Profile, TensorMeta, by_output, output_key
 from forgepack.pack.runtime import modules as rt
 
 HOT_FUNCTIONS = ("apply_rotary_pos_emb",)
@@ -759,14 +759,11 @@ def _with_stats(card: Card, inputs: list[torch.Tensor]) -> Card:
 # --- profile ------------------------------------------------------------------------------------------------
 
 
-def operator_us(card: Card, op_cards: list[Card]) -> float | None:
-    """Per call, what the chain's operator calls cost as the operator cards measured them (entries
-    matched by op and output layout, calls-weighted where several cards match; views launch nothing).
-    None when an entry that launches work has no profiled operator card."""
-    by_key: dict[tuple, list[Card]] = {}
-    for c in op_cards:
-        if c.profile is not None:
-            by_key.setdefault(card_output_key(c), []).append(c)
+def operator_us(card: Card, by_key: dict[tuple, list[Card]]) -> float | None:
+    """Per call, what the chain's operator calls cost as the operator cards measured them (`by_key`:
+    the profiled operator cards, `cards.by_output`; entries matched by op and output layout,
+    calls-weighted where several cards match; views launch nothing). None when an entry that launches
+    work has no profiled operator card."""
     total = 0.0
     for entry in card.chain:
         matches = by_key.get(output_key(entry["op"], entry.get("outs", ())))
@@ -790,6 +787,7 @@ def profile_cards(cards: list[Card], sample_sets: dict[str, list], device: torch
 
     out = []
     reps = 20 if device.type == "cuda" else 7
+    by_key = by_output(c for c in op_cards if c.profile is not None)
     for card in cards:
         sets = sample_sets.get(card.id) or []
         if sets:
@@ -800,7 +798,7 @@ def profile_cards(cards: list[Card], sample_sets: dict[str, list], device: torch
 
         fn = opcall.stock_call(card, inputs, device)
         eager_us = timing.median(timing.time_us(fn, device, reps=reps, warmup=2))
-        ops_us = operator_us(card, list(op_cards))
+        ops_us = operator_us(card, by_key)
         if ops_us is not None and ops_us > 0:
             eager_us = min(eager_us, ops_us)
         kernels = profile_mod._kernels_of(fn) if device.type == "cuda" else []

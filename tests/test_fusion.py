@@ -279,20 +279,20 @@ def test_a_chain_costs_no_more_than_its_own_operator_calls(llama):
     # search reported a 139% "gain"). Every op card here costs 1 µs a call.
     op_cards = [c.with_profile(cards.Profile(eager_us=1.0, total_us=float(c.calls))) for c in llama.cap.cards]
     (norm,) = llama.by_pattern("rmsnorm")
-    assert fusion.operator_us(norm, op_cards) == pytest.approx(len(norm.chain))
+    assert fusion.operator_us(norm, cards.by_output(op_cards)) == pytest.approx(len(norm.chain))
     (rot,) = llama.by_pattern("rotary")
-    assert fusion.operator_us(rot, op_cards) == pytest.approx(len(rot.chain))
+    assert fusion.operator_us(rot, cards.by_output(op_cards)) == pytest.approx(len(rot.chain))
     # A view without an operator card launches nothing: it costs nothing, and does not void the sum.
     launching = [c for c in op_cards if not fusion._is_view(c.op)]
     views = sum(fusion._is_view(e["op"]) for e in rot.chain)
-    assert views and fusion.operator_us(rot, launching) == pytest.approx(len(rot.chain) - views)
-    assert fusion.operator_us(norm, []) is None  # nothing to compare with: the measured time stands
+    assert views and fusion.operator_us(rot, cards.by_output(launching)) == pytest.approx(len(rot.chain) - views)
+    assert fusion.operator_us(norm, cards.by_output([])) is None  # nothing to compare with: the measured time stands
     facts = DeviceFacts("cpu", "test", None, 2, 1 << 20, 1 << 30, 10.0, {"float32": 0.1}, torch.__version__, None)
     total = sum(c.calls for c in op_cards)
     profiled = fusion.profile_cards(llama.checked.cards, llama.checked.samples, torch.device("cpu"), facts, total,
                                     op_cards)
     for c in profiled:
-        assert c.profile.eager_us <= fusion.operator_us(c, op_cards) + 1e-9
+        assert c.profile.eager_us <= fusion.operator_us(c, cards.by_output(op_cards)) + 1e-9
     assert sum(c.profile.total_us for c in profiled) <= total
 
 

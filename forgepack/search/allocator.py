@@ -42,7 +42,7 @@ import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from forgepack.cards import Card, card_output_key, output_key
+from forgepack.cards import Card, by_output, output_key
 
 # Beta(a, b) priors on "one call improves this card", per baseline class.
 DEFAULT_PRIORS: dict[str, tuple[float, float]] = {
@@ -216,10 +216,7 @@ def coverage(cards: Sequence[Card]) -> dict[str, tuple[tuple[str, float], ...]]:
     outputs); where several cards share both (inputs laid out differently), the entry's calls are split
     in proportion to their calls.
     """
-    by_key: dict[tuple, list[Card]] = {}
-    for card in cards:
-        if card.kind != "fusion":
-            by_key.setdefault(card_output_key(card), []).append(card)
+    by_key = by_output(cards)
     covered: dict[str, dict[str, float]] = {}
     for fusion in (c for c in cards if c.kind == "fusion"):
         for entry in fusion.chain:
