@@ -16,7 +16,7 @@
 # the host's CPUs: eager timings are launch-bound and so CPU-sensitive; every benchmark compares its
 # columns interleaved in one process, so the ratios hold, but absolute ms move with the load.
 #
-# Stages: tests graphtests profile evaluate templates search dispatch packs fusion graphs probe
+# Stages: tests graphtests profile evaluate templates search dispatch packs fusion graphs probe kernels=a+b
 #   search=a+b: the allocator-vs-uniform benchmark on these recipes only (per lane).
 #   packs: builds a pack per recipe and times eager / pack / graphs / pack+graphs / torch.compile /
 #          reduce-overhead side by side (issues 6, 7, 8), then renders the report of the Llama prefill
@@ -75,6 +75,10 @@ run_stage() {
                [[ $1 == search=* ]] && search_args="--recipes ${1#search=}" && search_args=${search_args//+/ }
                stage search "${SEARCH_TIME:-300}" python3 tools/bench_search.py $search_args ;;
     probe)     stage probe "${PROBE_TIME:-150}" python3 tools/probe_layouts.py ${PROBE_ARGS:-} ;;
+    kernels=*) # kernels=a+b: the kernels behind one forward per column, with this lane's packs (run packs first)
+               local kr=${1#kernels=}
+               stage kernels "${KERNELS_TIME:-240}" python3 tools/probe_kernels.py ${kr//+/ } \
+                 --columns "${KERNEL_COLUMNS:-graphs,pack+graphs,compile-ro}" --packs-root "$packs_dir" ;;
     dispatch)  stage dispatch 60 python3 tools/bench_dispatch.py ;;
     packs|packs=*) # packs=a+b: these recipes (per lane); else PACK_RECIPES, else the six reference recipes
                local recipes=${PACK_RECIPES:-$REFERENCE}
