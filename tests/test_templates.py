@@ -82,6 +82,9 @@ def _cases():
             ("pool.max2d", A.max_pool2d_with_indices.default,
              (img.contiguous(memory_format=torch.channels_last), [2, 3], [1, 2], [1, 0], [2, 1], True), {}),
         ]
+        if dt != F32:  # nn.Linear's mm(x, w.t()) into rows of an odd width (an LM head's vocabulary)
+            cases.append(("gemm.mm_unaligned", A.mm.default, (_x(40, 64, dtype=dt), _x(37, 64, dtype=dt, seed=1).t()),
+                          {}))
         if dt == F16:  # float16 shares bfloat16's code paths except for rounding: a sample keeps CI short
             cases[keep:] = cases[keep::3]
     # Channels-last activations (a ResNet served channels-last): walked in memory order, n h w c.
@@ -149,6 +152,7 @@ REQUIRED_OPS = {
     "pool": ["aten._adaptive_avg_pool2d.default", "aten.max_pool2d_with_indices.default"],
     "fused": ["fusion.rmsnorm.default", "fusion.rotary.default", "fusion.gated_act.default",
               "fusion.bn_act.default", "fusion.add_act.default", "fusion.gelu_tanh.default"],
+    "gemm": ["aten.mm.default"],
 }
 
 
@@ -196,6 +200,9 @@ REFUSED = [
     (A._fused_rms_norm.default, (_x(4, 8), [8], None, None), {}, "eps"),
     (A.native_group_norm.default, (_x(2, 4, 3, 3).contiguous(memory_format=torch.channels_last), None, None,
                                    2, 4, 9, 2, 1e-5), {}, "contiguous"),
+    (A.mm.default, (_x(8, 32, dtype=BF16), _x(64, 32, dtype=BF16).t()), {}, "cuBLAS serves"),
+    (A.mm.default, (_x(8, 32, dtype=BF16), _x(32, 63, dtype=BF16)), {}, "transposed K-contiguous weight"),
+    (A.mm.default, (_x(8, 32), _x(63, 32).t()), {}, "float16/bfloat16"),
 ]
 
 

@@ -52,29 +52,71 @@ def wall_and_host(col: Column, fn, reps: int = 20) -> tuple[float, float]:
     return statistics.median(walls), statistics.median(hosts)
 
 
-def kernels(col: Column, fn, calls: int = 5) -> tuple[collections.Counter, collections.Counter, int]:
-    """µs and count per kernel name over `calls` forwards, and the number of memcpy/memset ops."""
-    from torch.profiler import ProfilerActivity, profile
+def kernels(col: Column, fn, calls: int = 5) -> dict:
+    """Kernel µs and counts per name over `calls` forwards, and where the time between them goes.
+
+    Per forward (median over the calls): `pre_us`, from the call's start on the host to the launch that
+    starts its first kernel (cudaGraphLaunch for a graph); `span_us`, from the first kernel's start to
+    the last one's end on the GPU; `idle_us`, the part of the span with no kernel running; and the host
+    ops that took the most time of their own.
+    """
+    from torch.profiler import ProfilerActivity, profile, record_function
 
     col.enter()
     try:
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for _ in range(calls):
-                fn()
-            torch.cuda.synchronize()
+                with record_function("probe.call"):
+                    fn()
+                torch.cuda.synchronize()
     finally:
         col.exit()
-    us, count, copies = collections.Counter(), collections.Counter(), 0
-    for ev in prof.events():
-        if ev.device_type != torch.autograd.DeviceType.CUDA:
+    events = list(prof.events())
+    gpu = sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CUDA),
+                 key=lambda e: e.time_range.start)
+    us, count = collections.Counter(), collections.Counter()
+    for ev in gpu:
+        us[ev.name] += ev.device_time / calls
+        count[ev.name] += 1
+    windows = sorted((e.time_range.start, e.time_range.end) for e in events if e.name == "probe.call")
+    pre, span, idle = [], [], []
+    for i, (start, _) in enumerate(windows):
+        stop = windows[i + 1][0] if i + 1 < len(windows) else float("inf")
+        mine = [e for e in gpu if start <= e.time_range.start < stop]
+        if not mine:
             continue
-        name = ev.name
-        if name.startswith(("Memcpy", "Memset")):
-            copies += 1
-        us[name] += ev.device_time / calls if hasattr(ev, "device_time") else ev.cuda_time / calls
-        count[name] += 1
-    return us, count, copies // calls
+        launches = [e.time_range.start for e in events if e.device_type == torch.autograd.DeviceType.CPU
+                    and e.name.startswith(("cudaGraphLaunch", "cudaLaunchKernel", "cuLaunchKernel"))
+                    and start <= e.time_range.start < mine[0].time_range.start]
+        pre.append((min(launches) if launches else mine[0].time_range.start) - start)
+        first, last = mine[0].time_range.start, max(e.time_range.end for e in mine)
+        span.append(last - first)
+        idle.append(last - first - _busy(mine))
+    host = collections.Counter()
+    for e in events:
+        if e.device_type == torch.autograd.DeviceType.CPU and e.name != "probe.call":
+            host[e.name] += e.self_cpu_time_total / calls
+    copies = sum(n for name, n in count.items() if name.startswith(("Memcpy", "Memset"))) // calls
+    return {"us": us, "count": count, "copies": copies,
+            "pre_us": statistics.median(pre) if pre else None, "span_us": statistics.median(span) if span else None,
+            "idle_us": statistics.median(idle) if idle else None,
+            "host_top": [{"host op": short(k, 60), "self µs": v} for k, v in host.most_common(8)]}
+
+
+def _busy(kernels: list) -> float:
+    """µs during which at least one of these kernels runs (overlaps counted once)."""
+    total, end = 0.0, float("-inf")
+    for e in kernels:
+        s, t = e.time_range.start, e.time_range.end
+        if t > end:
+            total += t - max(s, end)
+            end = t
+    return total
+
+
+def _ms(us: float | None) -> float | None:
+    return None if us is None else us / 1e3
 
 
 def short(name: str, width: int = 100) -> str:
@@ -103,12 +145,14 @@ def probe(recipe_name: str, columns: list[str], packs_root: Path | None) -> dict
                 result["columns"][name] = {"skipped": str(why)}
                 continue
             wall, host = wall_and_host(col, fn)
-            us, count, copies = kernels(col, fn)
-            calls = 5
+            prof = kernels(col, fn)
+            us, count, calls = prof["us"], prof["count"], 5
             result["columns"][name] = {
                 "wall_ms": wall, "host_ms": host, "kernel_ms": sum(us.values()) / 1e3,
-                "kernels": sum(count.values()) // calls, "copies": copies,
+                "kernels": sum(count.values()) // calls, "copies": prof["copies"],
+                "pre_ms": _ms(prof["pre_us"]), "span_ms": _ms(prof["span_us"]), "idle_ms": _ms(prof["idle_us"]),
                 "top": [{"kernel": short(k), "us": v, "per_call": count[k] / calls} for k, v in us.most_common(TOP)],
+                "host_top": prof["host_top"],
             }
             torch.cuda.synchronize()
     return result
@@ -116,9 +160,11 @@ def probe(recipe_name: str, columns: list[str], packs_root: Path | None) -> dict
 
 def render(info: dict, results: list[dict]) -> str:
     md = benchlib.header_md("Kernels behind one forward, per column", info)
-    md += ("wall = synchronised ms per forward; host = ms until the call returns; kernel = sum of kernel "
-           "durations in one forward (profiler); kernels = kernels per forward; copies = memcpy/memset "
-           "per forward.\n\n")
+    md += ("wall = synchronised ms per forward; host = ms until the call returns; pre = from the call's start "
+           "to the launch of its first GPU work (host work the GPU waits for); span = first kernel start to "
+           "last kernel end; idle = the part of the span with no kernel running; kernel = sum of kernel "
+           "durations; kernels = kernels per forward; copies = memcpy/memset per forward (profiler: "
+           "medians over 5 forwards).\n\n")
     for res in results:
         rows = []
         for name, c in res["columns"].items():
@@ -126,12 +172,15 @@ def render(info: dict, results: list[dict]) -> str:
                 rows.append({"column": name, "skipped": c["skipped"]})
                 continue
             rows.append({"column": name, "wall ms": c["wall_ms"], "host ms": c["host_ms"],
+                         "pre ms": c["pre_ms"], "span ms": c["span_ms"], "idle ms": c["idle_ms"],
                          "kernel ms": c["kernel_ms"], "kernels": c["kernels"], "copies": c["copies"]})
         md += f"## {res['recipe']}\n\n{tabulate(rows, headers='keys', floatfmt='.3f', tablefmt='github')}\n\n"
         for name, c in res["columns"].items():
             if "top" in c:
                 md += f"### {res['recipe']}: {name}, top kernels (µs per forward)\n\n"
                 md += tabulate(c["top"], headers="keys", floatfmt=".1f", tablefmt="github") + "\n\n"
+                md += f"host ops of {name}, self time per forward:\n\n"
+                md += tabulate(c["host_top"], headers="keys", floatfmt=".1f", tablefmt="github") + "\n\n"
     return md
 
 

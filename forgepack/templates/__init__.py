@@ -11,19 +11,20 @@ reason), and renders a complete kernel source for the ABI at any point of its pa
 
 Families (one module each), in the order the reference profiles weigh them: `elementwise` (unary,
 binary with broadcasting, casts and copies, cat), `rowreduce` (softmax, layer/RMS norm, sum/mean/amax),
-`norm` (inference batch norm, group norm), `pool` (adaptive average, max). The cpu target renders plain
+`norm` (inference batch norm, group norm), `pool` (adaptive average, max), `gemm` (matrix products
+into unaligned outputs, where cuBLAS falls off its fast path). The cpu target renders plain
 C++17 loops from the same programs: correct first, fast second.
 """
 
 from __future__ import annotations
 
 from forgepack.cards import Card
-from forgepack.templates import elementwise, fused, norm, pool, rowreduce
+from forgepack.templates import elementwise, fused, gemm, norm, pool, rowreduce
 from forgepack.templates.common import Template, on_device
 
 REGISTRY: tuple[Template, ...] = (elementwise.TEMPLATES + rowreduce.TEMPLATES + norm.TEMPLATES + pool.TEMPLATES
-                                   + fused.TEMPLATES)
-FAMILIES = ("elementwise", "rowreduce", "norm", "pool", "fused")
+                                   + fused.TEMPLATES + gemm.TEMPLATES)
+FAMILIES = ("elementwise", "rowreduce", "norm", "pool", "fused", "gemm")
 
 
 def templates_for(card: Card, target: str) -> list[Template]:

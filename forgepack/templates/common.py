@@ -521,10 +521,13 @@ def batch_unit(sources: list[str], target: str) -> str:
     benchmarks): each in its own namespace, its entry renamed `forgepack_kernel_<i>`. What ships is
     always the single source, compiled alone."""
     head = prelude(target)
-    parts = [head]
+    parts, includes = [head], []
     for i, src in enumerate(sources):
         if not src.startswith(head):
             raise ValueError("not a template-rendered source for this target")
         body = src[len(head):].replace("forgepack_kernel(", f"forgepack_kernel_{i}(")
+        lines = body.splitlines()
+        includes += [ln for ln in lines if ln.startswith("#include") and ln not in includes]  # not in a namespace
+        body = "\n".join(ln for ln in lines if not ln.startswith("#include"))
         parts.append(f"namespace k{i} {{\n{body}\n}}  // namespace k{i}\n")
-    return "\n".join(parts)
+    return "\n".join([head, *includes, *parts[1:]])

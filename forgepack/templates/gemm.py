@@ -1,0 +1,230 @@
+"""GEMM template: `aten.mm` where the output's rows are not 16-byte aligned (an odd vocabulary).
+
+cuBLAS runs a matmul at near peak when every leading dimension is a multiple of 16 bytes. An LM head
+with an odd vocabulary (GPT-2: f16[1024,768] @ [768,50257]) leaves the output's row stride unaligned,
+and cuBLAS falls back to an `align1` kernel: 842 µs on the H200, where the same product into a
+padded buffer takes 124 µs (`tools/probe_layouts.py --only lmhead`). torch.compile pads the weight,
+computes the transposed product and copies it back; this template computes into the output as it is.
+
+Served: fp16/bf16 `mm(x, w.t())`, the product nn.Linear makes (both operands K-contiguous, "TN"),
+into a contiguous output whose row is not a multiple of 8 elements. Aligned outputs are refused:
+cuBLAS serves those at near peak, and no search budget should go to them.
+
+The cuda kernel is a tensor-core GEMM (WMMA, 16x16x16 fragments, fp32 accumulation, rounded once to
+the output dtype, as cuBLAS does): a `bm` x `bn` block tile, `bk`-deep slices of both operands
+streamed through shared memory by `cp.async` in a `stages`-deep pipeline (rows past M or N are
+zero-filled), warps arranged `wm` x (warps / `wm`), and the block's tile staged in shared memory
+and stored row by row with consecutive lanes on consecutive elements, so the unaligned rows are
+written coalesced. The cpu kernel is a plain loop with fp32 accumulation (correctness first).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from forgepack.cards import Card
+from forgepack.templates.common import Template, ceil_div, ctype, entry, launch_status, prelude
+
+TILES = ["128x128", "128x256", "256x128", "64x128"]
+BKS = [32, 64]
+STAGES = [3, 4, 2]
+PAD = 8  # halves of padding per shared-memory row: keeps fragment loads off one bank
+SMEM_LIMIT = 227 * 1024  # bytes of shared memory one block may opt into on sm_90
+
+
+@dataclass(frozen=True)
+class GemmPlan:
+    m: int
+    n: int
+    k: int
+    lda: int
+    ldb: int  # the weight's row stride: B[k, n] = w[n, k] at n * ldb + k
+    dtype: str
+
+
+class GemmTemplate(Template):
+    def plan(self, card: Card, target: str):
+        a, b = card.tensor_inputs()[:2]
+        out = card.outputs[0]
+        if a.dtype not in ("float16", "bfloat16") or b.dtype != a.dtype or out.dtype != a.dtype:
+            return "GEMM served on float16/bfloat16 operands and output of one dtype"
+        if len(a.shape) != 2 or len(b.shape) != 2 or a.shape[1] != b.shape[0]:
+            return "not a 2-D matrix product"
+        (m, k), n = a.shape, b.shape[1]
+        if out.shape != (m, n) or not out.is_contiguous():
+            return "GEMM served into a contiguous output"
+        if n % 8 == 0:
+            return "the output's rows are 16-byte aligned: cuBLAS serves this product at near peak"
+        if a.stride[1] != 1 or a.stride[0] % 8 or a.storage_offset % 8:
+            return "the first operand must be row-major with 16-byte aligned rows"
+        if b.stride[0] != 1 or b.stride[1] % 8 or b.storage_offset % 8:
+            return "the second operand must be a transposed K-contiguous weight (nn.Linear's mm(x, w.t()))"
+        if k % 16:
+            return "K must be a multiple of 16"
+        if ceil_div(n, 128) > 65535:
+            return "N is over the grid's limit"
+        return GemmPlan(m, n, k, a.stride[0], b.stride[1], a.dtype)
+
+    def axes(self, plan: GemmPlan, target: str) -> dict[str, list]:
+        if target == "cpu":
+            return {}
+        bks = [bk for bk in BKS if plan.k % bk == 0] or [16]
+        return {"tile": TILES, "bk": bks, "stages": STAGES, "wm": [2, 4]}
+
+    def pick_default(self, plan, axes, target):
+        if target == "cpu":
+            return {}
+        return {"tile": "128x128", "bk": axes["bk"][0], "stages": 3, "wm": 2}
+
+    def emit(self, card: Card, plan: GemmPlan, target: str, params: dict) -> str:
+        if target == "cpu":
+            return render_cpu(card, plan)
+        return render_cuda(card, plan, params)
+
+
+def smem_bytes(bm: int, bn: int, bk: int, stages: int, warps: int = 8) -> int:
+    pipeline = stages * (bm + bn) * (bk + PAD) * 2
+    epilogue = bm * (bn + PAD) * 2 + warps * 256 * 4  # output tile + each warp's fp32 fragment
+    return max(pipeline, epilogue)  # the epilogue reuses the pipeline's memory
+
+
+def render_cpu(card: Card, plan: GemmPlan) -> str:
+    t = ctype(plan.dtype, "cpu")
+    loop = f"""
+static void fp_gemm(const {t}* a, const {t}* b, {t}* c) {{
+  for (int64_t i = 0; i < {plan.m}; ++i) {{
+    for (int64_t j = 0; j < {plan.n}; ++j) {{
+      float acc = 0.0f;
+      for (int64_t p = 0; p < {plan.k}; ++p) acc += fp_ld(a[i * {plan.lda} + p]) * fp_ld(b[j * {plan.ldb} + p]);
+      c[i * {plan.n} + j] = fp_st<{t}>(acc);
+    }}
+  }}
+}}
+"""
+    body = (f"fp_gemm((const {t}*)call->inputs[0].data, (const {t}*)call->inputs[1].data, "
+            f"({t}*)call->outputs[0].data);\n  return FP_OK;")
+    return prelude("cpu") + loop + entry(card, "cpu", body)
+
+
+def render_cuda(card: Card, plan: GemmPlan, params: dict) -> str:
+    bm, bn = (int(x) for x in params["tile"].split("x"))
+    bk, stages, wm = params["bk"], params["stages"], params["wm"]
+    warps = 8
+    wn = warps // wm
+    wtm, wtn = bm // wm, bn // wn  # one warp's tile
+    if wtm % 16 or wtn % 16:
+        raise ValueError(f"gemm: tile {bm}x{bn} does not split into {wm}x{wn} warps of 16x16 fragments")
+    t = ctype(plan.dtype, "cuda")
+    threads = warps * 32
+    ld = bk + PAD
+    smem = smem_bytes(bm, bn, bk, stages)
+    if smem > SMEM_LIMIT:
+        raise ValueError(f"gemm: {smem} bytes of shared memory is over the {SMEM_LIMIT} a block may use")
+    chunks_a, chunks_b = bm * bk // 8, bn * bk // 8  # 16-byte chunks per stage
+    kt = plan.k // bk
+    grid_m, grid_n = ceil_div(plan.m, bm), ceil_div(plan.n, bn)
+    kernel = f"""
+#include <mma.h>
+namespace wmma = nvcuda::wmma;
+
+FP_FN void fp_cp16(void* smem, const void* gmem, bool valid) {{
+  const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+  const int bytes = valid ? 16 : 0;  // 0: the 16 bytes are zero-filled
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\\n" :: "r"(s), "l"(gmem), "r"(bytes));
+}}
+FP_FN void fp_cp_commit() {{ asm volatile("cp.async.commit_group;\\n" ::); }}
+template <int N> FP_TFN void fp_cp_wait() {{ asm volatile("cp.async.wait_group %0;\\n" :: "n"(N)); }}
+
+// One stage: rows [m0, m0 + {bm}) of a and [n0, n0 + {bn}) of w, columns [k0, k0 + {bk}).
+FP_FN void fp_load(const {t}* __restrict__ a, const {t}* __restrict__ w, {t}* as, {t}* bs,
+                   int m0, int n0, int k0) {{
+  for (int c = threadIdx.x; c < {chunks_a}; c += {threads}) {{
+    const int r = c / {bk // 8}, col = (c % {bk // 8}) * 8;
+    const bool ok = m0 + r < {plan.m};
+    fp_cp16(as + r * {ld} + col, a + (size_t)(ok ? m0 + r : 0) * {plan.lda} + k0 + col, ok);
+  }}
+  for (int c = threadIdx.x; c < {chunks_b}; c += {threads}) {{
+    const int r = c / {bk // 8}, col = (c % {bk // 8}) * 8;
+    const bool ok = n0 + r < {plan.n};
+    fp_cp16(bs + r * {ld} + col, w + (size_t)(ok ? n0 + r : 0) * {plan.ldb} + k0 + col, ok);
+  }}
+}}
+
+__global__ void __launch_bounds__({threads}) fp_gemm(const {t}* __restrict__ a, const {t}* __restrict__ w,
+                                                   {t}* __restrict__ c) {{
+  extern __shared__ __align__(128) unsigned char fp_smem[];
+  {t}* as = ({t}*)fp_smem;
+  {t}* bs = as + {stages} * {bm} * {ld};
+  // blockIdx.x walks M: the blocks that run together share one weight tile (read once) and the
+  // activations, which are small, stay in L2.
+  const int m0 = blockIdx.x * {bm}, n0 = blockIdx.y * {bn};
+  const int warp = threadIdx.x / 32, wy = warp / {wn}, wx = warp % {wn};
+  wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[{wtm // 16}][{wtn // 16}];
+#pragma unroll
+  for (int i = 0; i < {wtm // 16}; ++i)
+#pragma unroll
+    for (int j = 0; j < {wtn // 16}; ++j) wmma::fill_fragment(acc[i][j], 0.0f);
+#pragma unroll
+  for (int s = 0; s < {stages - 1}; ++s) {{
+    if (s < {kt}) fp_load(a, w, as + s * {bm * ld}, bs + s * {bn * ld}, m0, n0, s * {bk});
+    fp_cp_commit();
+  }}
+  for (int kt = 0; kt < {kt}; ++kt) {{
+    fp_cp_wait<{stages - 2}>();
+    __syncthreads();  // stage kt is in; every warp is done with the stage about to be refilled
+    const int next = kt + {stages - 1};
+    if (next < {kt}) fp_load(a, w, as + (next % {stages}) * {bm * ld}, bs + (next % {stages}) * {bn * ld},
+                             m0, n0, next * {bk});
+    fp_cp_commit();
+    const {t}* sa = as + (kt % {stages}) * {bm * ld} + wy * {wtm} * {ld};
+    const {t}* sb = bs + (kt % {stages}) * {bn * ld} + wx * {wtn} * {ld};
+#pragma unroll
+    for (int kk = 0; kk < {bk}; kk += 16) {{
+      wmma::fragment<wmma::matrix_a, 16, 16, 16, {t}, wmma::row_major> fa[{wtm // 16}];
+      wmma::fragment<wmma::matrix_b, 16, 16, 16, {t}, wmma::col_major> fb[{wtn // 16}];
+#pragma unroll
+      for (int i = 0; i < {wtm // 16}; ++i) wmma::load_matrix_sync(fa[i], sa + i * 16 * {ld} + kk, {ld});
+#pragma unroll
+      for (int j = 0; j < {wtn // 16}; ++j) wmma::load_matrix_sync(fb[j], sb + j * 16 * {ld} + kk, {ld});
+#pragma unroll
+      for (int i = 0; i < {wtm // 16}; ++i)
+#pragma unroll
+        for (int j = 0; j < {wtn // 16}; ++j) wmma::mma_sync(acc[i][j], fa[i], fb[j], acc[i][j]);
+    }}
+  }}
+  fp_cp_wait<0>();
+  __syncthreads();  // the pipeline's memory now holds the output tile and each warp's scratch
+  {t}* ct = ({t}*)fp_smem;
+  // bf16 has no 16-bit accumulator fragment: each fragment goes through fp32 scratch, then rounds.
+  float* scratch = (float*)(fp_smem + {bm * (bn + PAD) * 2}) + warp * 256;
+  const int lane = threadIdx.x % 32, fr = lane / 2, fc = (lane % 2) * 8;
+#pragma unroll
+  for (int i = 0; i < {wtm // 16}; ++i)
+#pragma unroll
+    for (int j = 0; j < {wtn // 16}; ++j) {{
+      wmma::store_matrix_sync(scratch, acc[i][j], 16, wmma::mem_row_major);
+      __syncwarp();
+      {t}* dst = ct + (wy * {wtm} + i * 16 + fr) * {bn + PAD} + wx * {wtn} + j * 16 + fc;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) dst[e] = fp_st<{t}>(scratch[fr * 16 + fc + e]);
+      __syncwarp();
+    }}
+  __syncthreads();
+  const int rows = min({bm}, {plan.m} - m0), cols = min({bn}, {plan.n} - n0);
+  for (int r = warp; r < rows; r += {warps}) {{
+    {t}* dst = c + (size_t)(m0 + r) * {plan.n} + n0;
+    for (int col = threadIdx.x % 32; col < cols; col += 32) dst[col] = ct[r * {bn + PAD} + col];
+  }}
+}}
+"""
+    body = f"""const {t}* a = (const {t}*)call->inputs[0].data;
+  const {t}* w = (const {t}*)call->inputs[1].data;
+  if ((uintptr_t)a % 16u || (uintptr_t)w % 16u) return FP_ERR_UNSUPPORTED;
+  cudaError_t err = cudaFuncSetAttribute(fp_gemm, cudaFuncAttributeMaxDynamicSharedMemorySize, {smem});
+  if (err != cudaSuccess) return (int32_t)err;
+  fp_gemm<<<dim3({grid_m}u, {grid_n}u), {threads}, {smem}, stream>>>(a, w, ({t}*)call->outputs[0].data);
+  {launch_status("cuda")}"""
+    return prelude("cuda") + kernel + entry(card, "cuda", body)
+
+
+TEMPLATES = (GemmTemplate("gemm.mm_unaligned", "gemm", ("cuda", "cpu"), ("aten.mm.default",)),)
