@@ -325,6 +325,28 @@ def test_every_served_variant_of_a_captured_model_verifies(recipe_name, evaluato
     assert served >= {"tiny-llama": 15, "tiny-resnet": 4, "tiny-bert": 5}[recipe_name]
 
 
+def test_an_odd_vocabulary_lm_head_is_served_by_the_gemm(evaluator, tmp_path):
+    """GPT-2's LM head as the model really calls it (tied weight, mm(x, w.t()) into vocab-wide rows):
+    captured, claimed by the GEMM template on both targets, and verified on its captured inputs."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(n_embd=64, n_layer=1, n_head=2, vocab_size=1001, n_positions=32)
+    model = GPT2LMHeadModel(cfg).eval().to(BF16)
+    ids = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        cap = capture.capture(model, lambda: model(input_ids=ids))
+    heads = [c for c in cap.cards if c.op == "aten.mm.default" and c.outputs[0].shape == (32, 1001)]
+    assert len(heads) == 1, [c.signature() for c in cap.cards if "mm" in c.op]
+    card = heads[0]
+    assert [t.name for t in templates_for(card, "cpu")] == ["gemm.mm_unaligned"]
+    assert [t.name for t in templates_for(on_device(card, "cuda"), "cuda")] == ["gemm.mm_unaligned"]
+    path = tmp_path / "head.safetensors"
+    card = dataclasses.replace(card, samples=samples.save_samples(path, cap.samples[card.id]))
+    t = by_name("gemm.mm_unaligned")
+    verdict = evaluator.evaluate(card, t.render(card, "cpu", {}), samples_path=path, bench=False)
+    assert verdict.accepted, verdict.reason
+
+
 # --- CUDA sources compile for sm_90 (no GPU needed) ------------------------------------------------
 
 def _first_dtype(args):

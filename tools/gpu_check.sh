@@ -16,7 +16,7 @@
 # the host's CPUs: eager timings are launch-bound and so CPU-sensitive; every benchmark compares its
 # columns interleaved in one process, so the ratios hold, but absolute ms move with the load.
 #
-# Stages: tests graphtests profile evaluate templates search dispatch packs fusion graphs probe kernels=a+b
+# Stages: tests (tests=a+b: tests/test_a.py and test_b.py) graphtests profile evaluate templates search dispatch packs fusion graphs probe kernels=a+b
 #   search=a+b: the allocator-vs-uniform benchmark on these recipes only (per lane).
 #   packs: builds a pack per recipe and times eager / pack / graphs / pack+graphs / torch.compile /
 #          reduce-overhead side by side (issues 6, 7, 8), then renders the report of the Llama prefill
@@ -60,8 +60,11 @@ stage() {
 run_stage() {
   local packs_dir="$FORGEPACK_HOME/packs"
   case $1 in
-    tests)     # one process per file, each with its own limit: a slow file cannot hide another's failures
-               for f in ${GPU_TESTS:-$(grep -l "mark.gpu\|pytestmark" tests/test_*.py | grep -v test_graphs.py)}; do
+    tests|tests=*) # one process per file, each with its own limit: a slow file cannot hide another's failures
+               # tests=a+b: these files only (tests/test_a.py, tests/test_b.py), per lane
+               local files=${GPU_TESTS:-$(grep -l "mark.gpu\|pytestmark" tests/test_*.py | grep -v test_graphs.py)}
+               if [[ $1 == tests=* ]]; then files=${1#tests=}; files="tests/test_${files//+/.py tests/test_}.py"; fi
+               for f in $files; do
                  stage "tests-$(basename "$f" .py)" "${TESTS_TIME:-200}" python3 -m pytest -m gpu -q -p no:cacheprovider \
                    -rfE --tb=short --timeout "$(( ${TESTS_TIME:-200} - 20 ))" "$f"
                done ;;

@@ -73,7 +73,8 @@ def kernels(col: Column, fn, calls: int = 5) -> dict:
     finally:
         col.exit()
     events = list(prof.events())
-    gpu = sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CUDA),
+    # The call's own range is mirrored on the GPU timeline: it is not a kernel.
+    gpu = sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CUDA and e.name != "probe.call"),
                  key=lambda e: e.time_range.start)
     us, count = collections.Counter(), collections.Counter()
     for ev in gpu:
@@ -164,7 +165,7 @@ def render(info: dict, results: list[dict]) -> str:
            "to the launch of its first GPU work (host work the GPU waits for); span = first kernel start to "
            "last kernel end; idle = the part of the span with no kernel running; kernel = sum of kernel "
            "durations; kernels = kernels per forward; copies = memcpy/memset per forward (profiler: "
-           "medians over 5 forwards).\n\n")
+           "medians over 5 forwards; host op times are inflated by the profiler itself).\n\n")
     for res in results:
         rows = []
         for name, c in res["columns"].items():
