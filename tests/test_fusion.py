@@ -145,6 +145,21 @@ def test_channels_last_resnet_fuses_and_its_kernels_walk_memory_order(resnet_cl,
             assert v.accepted, (card.id, v.category, v.reason)
 
 
+def test_the_indexed_kernel_also_walks_a_channels_last_output_in_memory_order(resnet_cl, tmp_path):
+    # fused.indexed serves the same chains through index math: its threads take the output's elements
+    # in memory order too (c is decoded first), so NHWC stores stay coalesced; still verified.
+    t = fused.TEMPLATES[2]
+    card = resnet_cl.by_pattern("bn_act")[0]
+    assert fused.memory_order(card.outputs[0]) == [0, 2, 3, 1]
+    src = t.render(card, "cpu", t.default(card, "cpu"))
+    c = card.outputs[0].shape[1]
+    assert f"const uint32_t c1_ = r_ % {c}u;" in src
+    card, path = _saved(card, resnet_cl.checked.samples[card.id], tmp_path)
+    with Evaluator("cpu") as ev:
+        v = ev.evaluate(card, src, samples_path=path, bench=False)
+    assert v.accepted, (card.id, v.category, v.reason)
+
+
 def test_a_channels_last_pack_warns_about_an_nchw_model(resnet_cl, resnet):
     # Correct either way (guards miss, stock runs), but useless: activate(model=...) says how to fix it.
     from forgepack.pack import runtime

@@ -80,7 +80,8 @@ def kernels(col: Column, fn, calls: int = 5) -> dict:
     for ev in gpu:
         us[ev.name] += ev.device_time / calls
         count[ev.name] += 1
-    windows = sorted((e.time_range.start, e.time_range.end) for e in events if e.name == "probe.call")
+    windows = sorted((e.time_range.start, e.time_range.end) for e in events
+                     if e.name == "probe.call" and e.device_type == torch.autograd.DeviceType.CPU)
     pre, span, idle = [], [], []
     for i, (start, _) in enumerate(windows):
         stop = windows[i + 1][0] if i + 1 < len(windows) else float("inf")

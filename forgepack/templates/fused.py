@@ -705,7 +705,7 @@ class IndexedFusion(FusedTemplate):
         head = prelude(target) + f"\ntypedef {itype} fp_idx;\nstruct fp_args {{ {' '.join(fields)} }};\n"
         funcs = []
         for j, (meta, stmts) in enumerate(plan["bodies"]):
-            coords = _coords(meta.shape, itype)
+            coords = _coords(meta, itype)
             body = "\n  ".join(coords + stmts)
             funcs.append(f"\nFP_FN void fp_out{j}(const fp_args& p, {itype} e_) {{\n  {body}\n}}\n")
         code = head + "".join(funcs)
@@ -728,15 +728,30 @@ class IndexedFusion(FusedTemplate):
         return code + entry(card, target, launch)
 
 
-def _coords(shape: tuple[int, ...], itype: str) -> list[str]:
-    """Statements defining c<d>_, the coordinates of the linear (row-major) index e_."""
+def _coords(meta: TensorMeta, itype: str) -> list[str]:
+    """Statements defining c<d>_, the coordinates of the e_-th element of the output in memory order.
+
+    Consecutive threads then write consecutive addresses whatever the layout: a channels-last output
+    is walked n, h, w, c (as TensorIterator walks it), not n, c, h, w with a stride-C store per thread.
+    """
+    shape = meta.shape
     if not shape:
         return []
+    order = memory_order(meta)
     lines = [f"{itype} r_ = e_;"]
-    for d in range(len(shape) - 1, 0, -1):
+    for d in reversed(order[1:]):
         lines.append(f"const {itype} c{d}_ = r_ % {shape[d]}u; r_ /= {shape[d]}u;")
-    lines.append(f"const {itype} c0_ = r_;")
+    lines.append(f"const {itype} c{order[0]}_ = r_;")
     return lines
+
+
+def memory_order(meta: TensorMeta) -> list[int]:
+    """Dims from outermost to innermost in memory (size-1 dims keep their place: their stride is moot)."""
+    big = sorted((d for d, n in enumerate(meta.shape) if n != 1), key=lambda d: -meta.stride[d])
+    order, it = [], iter(big)
+    for d, n in enumerate(meta.shape):
+        order.append(d if n == 1 else next(it))
+    return order
 
 
 TEMPLATES = (
