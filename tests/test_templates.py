@@ -85,6 +85,9 @@ def _cases():
         if dt != F32:  # nn.Linear's mm(x, w.t()) into rows of an odd width (an LM head's vocabulary)
             cases.append(("gemm.mm_unaligned", A.mm.default, (_x(40, 64, dtype=dt), _x(37, 64, dtype=dt, seed=1).t()),
                           {}))
+            if dt == BF16:  # one row (a decode step's LM head) and the shallowest K: a single 16-deep slice
+                cases.append(("gemm.mm_unaligned", A.mm.default,
+                              (_x(1, 16, dtype=dt), _x(300, 16, dtype=dt, seed=2)[:, :].t()[:, :299]), {}))
         if dt == F16:  # float16 shares bfloat16's code paths except for rounding: a sample keeps CI short
             cases[keep:] = cases[keep::3]
     # Channels-last activations (a ResNet served channels-last): walked in memory order, n h w c.
