@@ -7,7 +7,7 @@
 #   bash tools/gpu_check.sh tests profile            # some stages, in this order
 #   bash tools/gpu_check.sh 0:tests,graphtests 1:search   # lanes: one per GPU, run side by side
 #   bash tools/gpu_check.sh 0:search=llama-1b-prefill,packs=gpt2 1:search=resnet-50   # per-lane recipes
-#   PROBE_ARGS="--only vit" bash tools/gpu_check.sh 0:probe,templates 1:tests,graphtests   # next session
+#   PACK_BUDGET=48 bash tools/gpu_check.sh 0:packs=resnet-50,templates 1:packs=gpt2,kernels=gpt2   # next session
 #
 # Without lanes every stage runs in order on GPU 0 (a lane of its own).
 #
