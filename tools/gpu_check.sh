@@ -16,7 +16,8 @@
 # the host's CPUs: eager timings are launch-bound and so CPU-sensitive; every benchmark compares its
 # columns interleaved in one process, so the ratios hold, but absolute ms move with the load.
 #
-# Stages: tests (tests=a+b: tests/test_a.py and test_b.py) graphtests profile evaluate templates search dispatch packs fusion graphs probe kernels=a+b
+# Stages: tests graphtests profile evaluate templates search dispatch packs fusion graphs probe kernels=a+b
+#   tests=a+b: the GPU tests of tests/test_a.py and tests/test_b.py only (per lane).
 #   search=a+b: the allocator-vs-uniform benchmark on these recipes only (per lane).
 #   packs: builds a pack per recipe and times eager / pack / graphs / pack+graphs / torch.compile /
 #          reduce-overhead side by side (issues 6, 7, 8), then renders the report of the Llama prefill

@@ -3,8 +3,9 @@
 cuBLAS runs a matmul at near peak when every leading dimension is a multiple of 16 bytes. An LM head
 with an odd vocabulary (GPT-2: f16[1024,768] @ [768,50257]) leaves the output's row stride unaligned,
 and cuBLAS falls back to an `align1` kernel: 842 µs on the H200, where the same product into a
-padded buffer takes 124 µs (`tools/probe_layouts.py --only lmhead`). torch.compile pads the weight,
-computes the transposed product and copies it back; this template computes into the output as it is.
+padded buffer takes 124 µs (`tools/probe_layouts.py --only lmhead`). torch.compile computes the
+transposed product W·xᵀ, whose rows are aligned, and copies it back transposed (121 + 35 µs,
+`tools/probe_kernels.py`); this template computes into the output as it is.
 
 Served: fp16/bf16 `mm(x, w.t())`, the product nn.Linear makes (both operands K-contiguous, "TN"),
 into a contiguous output whose row is not a multiple of 8 elements. Aligned outputs are refused:
