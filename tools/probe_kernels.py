@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchlib
 
 from forgepack import models
-from forgepack.cli.bench import COLUMNS, WARMUP_CALLS, BenchContext, Column, Skip, load_pack
+from forgepack.cli.bench import BenchContext, Column, Skip, load_pack, ready_column
 from forgepack.recipe import resolve
 
 TOP = 15
@@ -100,7 +100,7 @@ def kernels(col: Column, fn, calls: int = 5) -> dict:
         if e.device_type == torch.autograd.DeviceType.CPU and e.name != "probe.call":
             host[e.name] += e.self_cpu_time_total / calls
     copies = sum(n for name, n in count.items() if name.startswith(("Memcpy", "Memset"))) // calls
-    return {"us": us, "count": count, "copies": copies,
+    return {"us": us, "count": count, "calls": calls, "copies": copies,
             "pre_us": statistics.median(pre) if pre else None, "span_us": statistics.median(span) if span else None,
             "idle_us": statistics.median(idle) if idle else None,
             "host_top": [{"host op": short(k, 60), "self µs": v} for k, v in host.most_common(8)]}
@@ -134,21 +134,14 @@ def probe(recipe_name: str, columns: list[str], packs_root: Path | None) -> dict
         lm = models.load(recipe)
         ctx = BenchContext(lm, pack)
         for name in columns:
-            col = Column(name, COLUMNS[name])
             try:
-                fn = col.setup(ctx, col)
-                for _ in range(WARMUP_CALLS):
-                    col.enter()
-                    try:
-                        fn()
-                    finally:
-                        col.exit()
+                col, fn = ready_column(ctx, name)
             except Skip as why:
                 result["columns"][name] = {"skipped": str(why)}
                 continue
             wall, host = wall_and_host(col, fn)
             prof = kernels(col, fn)
-            us, count, calls = prof["us"], prof["count"], 5
+            us, count, calls = prof["us"], prof["count"], prof["calls"]
             result["columns"][name] = {
                 "wall_ms": wall, "host_ms": host, "kernel_ms": sum(us.values()) / 1e3,
                 "kernels": sum(count.values()) // calls, "copies": prof["copies"],

@@ -195,16 +195,22 @@ def load_pack(wheel: Path, stack: contextlib.ExitStack):
 WARMUP_CALLS = 4
 
 
+def ready_column(ctx: BenchContext, name: str) -> tuple[Column, Callable[[], Any]]:
+    """The column set up and warmed (compilation, lazy initialisation, graph captures), so that what is
+    timed next is steady state; raises Skip when the column cannot run here."""
+    col = Column(name, COLUMNS[name])
+    fn = col.setup(ctx, col)
+    for _ in range(WARMUP_CALLS):
+        _run_in(col, fn)
+    return col, fn
+
+
 def run_bench(ctx: BenchContext, names: list[str], rounds: int, reps: int, seed: int = 0) -> dict[str, Any]:
     """Per column: per-round medians, overall median, speed-up over eager (paired by round)."""
     cols, skipped = {}, {}
     for name in names:
-        col = Column(name, COLUMNS[name])
         try:
-            fn = col.setup(ctx, col)
-            for _ in range(WARMUP_CALLS):  # compilation, lazy initialisation, graph captures
-                _run_in(col, fn)
-            cols[name] = (col, fn)
+            cols[name] = ready_column(ctx, name)
         except Skip as why:
             skipped[name] = str(why)
     device = ctx.lm.device
