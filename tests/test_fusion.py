@@ -21,6 +21,7 @@ from forgepack.evaluate import Evaluator
 from forgepack.pack import fusedgen
 from forgepack.pack.runtime import modules as rt
 from forgepack.templates import fused, on_device
+from forgepack.templates.common import memory_order
 
 TINY_GPT2 = {
     "name": "tiny-gpt2",
@@ -150,7 +151,8 @@ def test_the_indexed_kernel_also_walks_a_channels_last_output_in_memory_order(re
     # in memory order too (c is decoded first), so NHWC stores stay coalesced; still verified.
     t = fused.TEMPLATES[2]
     card = resnet_cl.by_pattern("bn_act")[0]
-    assert fused.memory_order(card.outputs[0]) == [0, 2, 3, 1]
+    out = card.outputs[0]
+    assert memory_order(out.shape, out.stride) == [0, 2, 3, 1]
     src = t.render(card, "cpu", t.default(card, "cpu"))
     c = card.outputs[0].shape[1]
     assert f"const uint32_t c1_ = r_ % {c}u;" in src

@@ -330,10 +330,8 @@ def coalesce(shape: tuple[int, ...], views: list[View], reorder: bool = False) -
     every same-layout input become one contiguous run (vectorisable), and a per-channel parameter
     becomes the inner, stride-1 dim instead of a gather. Only for jobs whose element order is free:
     every view moves with the same permutation, so each index still names one element of each."""
-    dims = [d for d, n in enumerate(shape) if n != 1]
-    if reorder and views:
-        first = views[0].strides
-        dims.sort(key=lambda d: -first[d])  # stable: ties keep their logical order
+    walk = memory_order(shape, views[0].strides) if reorder and views else range(len(shape))
+    dims = [d for d in walk if shape[d] != 1]
     if not dims:
         return (1,), [View(v.dtype, (0,), v.offset, v.storage_offset) for v in views]
     new_shape = [shape[dims[0]]]
@@ -351,6 +349,24 @@ def coalesce(shape: tuple[int, ...], views: list[View], reorder: bool = False) -
                 st.append(v.strides[d])
     out = [View(v.dtype, tuple(st), v.offset, v.storage_offset) for st, v in zip(new_strides, views, strict=True)]
     return tuple(new_shape), out
+
+
+def memory_order(shape: tuple[int, ...], strides: tuple[int, ...]) -> list[int]:
+    """Dims from outermost to innermost in memory; ties keep their logical order, and size-1 dims keep
+    their place (their stride is moot)."""
+    big = sorted((d for d, n in enumerate(shape) if n != 1), key=lambda d: -strides[d])
+    it = iter(big)
+    return [d if n == 1 else next(it) for d, n in enumerate(shape)]
+
+
+def decode_lines(idx: str, shape: tuple[int, ...], order: list[int], names: list[str], itype: str) -> list[str]:
+    """Statements defining `names[d]`, the coordinates of linear index `idx` when the dims are walked in
+    `order` (outermost first): the innermost is the fastest-moving."""
+    lines = [f"{itype} r_ = {idx};"]
+    for d in reversed(order[1:]):
+        lines.append(f"const {itype} {names[d]} = r_ % {shape[d]}u; r_ /= {shape[d]}u;")
+    lines.append(f"const {itype} {names[order[0]]} = r_;")
+    return lines
 
 
 def index_type(shape: tuple[int, ...], views: list[View]) -> str:

@@ -36,12 +36,14 @@ from forgepack.templates.common import (
     ceil_div,
     coalesce,
     ctype,
+    decode_lines,
     device_mismatch,
     entry,
     flit,
     index_type,
     launch_status,
     layout_refusal,
+    memory_order,
     prelude,
 )
 from forgepack.templates.rowreduce import Param, RowProgram, RowTemplate, Step, build_rows
@@ -734,24 +736,10 @@ def _coords(meta: TensorMeta, itype: str) -> list[str]:
     Consecutive threads then write consecutive addresses whatever the layout: a channels-last output
     is walked n, h, w, c (as TensorIterator walks it), not n, c, h, w with a stride-C store per thread.
     """
-    shape = meta.shape
-    if not shape:
+    if not meta.shape:
         return []
-    order = memory_order(meta)
-    lines = [f"{itype} r_ = e_;"]
-    for d in reversed(order[1:]):
-        lines.append(f"const {itype} c{d}_ = r_ % {shape[d]}u; r_ /= {shape[d]}u;")
-    lines.append(f"const {itype} c{order[0]}_ = r_;")
-    return lines
-
-
-def memory_order(meta: TensorMeta) -> list[int]:
-    """Dims from outermost to innermost in memory (size-1 dims keep their place: their stride is moot)."""
-    big = sorted((d for d, n in enumerate(meta.shape) if n != 1), key=lambda d: -meta.stride[d])
-    order, it = [], iter(big)
-    for d, n in enumerate(meta.shape):
-        order.append(d if n == 1 else next(it))
-    return order
+    names = [f"c{d}_" for d in range(len(meta.shape))]
+    return decode_lines("e_", meta.shape, memory_order(meta.shape, meta.stride), names, itype)
 
 
 TEMPLATES = (

@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from forgepack.cards import Card
-from forgepack.templates.common import Template, ceil_div, ctype, entry, launch_status, prelude
+from forgepack.templates.common import Template, align_check, ceil_div, ctype, entry, launch_status, prelude
 
 TILES = ["128x128", "128x256", "256x128", "64x128"]
 BKS = [32, 64]
@@ -220,7 +220,7 @@ __global__ void __launch_bounds__({threads}) fp_gemm(const {t}* __restrict__ a, 
 """
     body = f"""const {t}* a = (const {t}*)call->inputs[0].data;
   const {t}* w = (const {t}*)call->inputs[1].data;
-  if ((uintptr_t)a % 16u || (uintptr_t)w % 16u) return FP_ERR_UNSUPPORTED;
+  if (!({align_check([("a", 16), ("w", 16)])})) return FP_ERR_UNSUPPORTED;
   cudaError_t err = cudaFuncSetAttribute(fp_gemm, cudaFuncAttributeMaxDynamicSharedMemorySize, {smem});
   if (err != cudaSuccess) return (int32_t)err;
   fp_gemm<<<dim3({grid_m}u, {grid_n}u), {threads}, {smem}, stream>>>(a, w, ({t}*)call->outputs[0].data);

@@ -32,6 +32,7 @@ from forgepack.templates.common import (
     align_check,
     ceil_div,
     ctype,
+    decode_lines,
     entry,
     launch_status,
     prelude,
@@ -70,12 +71,7 @@ def _decode(out: TensorMeta, idx: str, itype: str, shape: tuple[int, ...] | None
     (over `shape` if given: the output's grid of thread tiles)."""
     order = sorted(range(4), key=lambda d: (out.stride[d], d), reverse=True)  # outermost first
     shape = shape or out.shape
-    names = ["n_", "c_", "oh_", "ow_"]
-    lines = [f"{itype} r_ = {idx};"]
-    for d in reversed(order[1:]):
-        lines.append(f"const {itype} {names[d]} = r_ % {shape[d]}u; r_ /= {shape[d]}u;")
-    lines.append(f"const {itype} {names[order[0]]} = r_;")
-    return "\n    ".join(lines)
+    return "\n    ".join(decode_lines(idx, shape, order, ["n_", "c_", "oh_", "ow_"], itype))
 
 
 def _offset(m: TensorMeta, coords: tuple[str, str, str, str]) -> str:
