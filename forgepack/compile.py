@@ -9,7 +9,7 @@ longer shows which CUDA calls the kernel itself makes.
 Fixed flags per target (see `compiler_flags`):
 - cuda: ``nvcc -O3 -arch=sm_XX -std=c++17 -Xcompiler -fPIC,-fvisibility=hidden``, linked with static
   cudart so the object is self-contained (the exact object that was verified and timed ships);
-  `sm_XX` is the local GPU's (nvidia-smi) or sm_90 when there is none.
+  `sm_XX` is the local GPU's (nvidia-smi) or sm_90 when there is none; sm_90 builds as sm_90a (wgmma).
 - cpu: ``g++ -O3 -std=c++17 -fPIC -fvisibility=hidden`` plus `-ftrivial-auto-var-init=pattern`
   where the compiler has it (uninitialised stack memory cannot carry results from one call to the
   next). Portable: no `-march=native`, no `-ffast-math`.
@@ -142,10 +142,17 @@ def _cxx_supports(flag: str) -> bool:
         return out.returncode == 0
 
 
+def nvcc_arch(arch: str | None) -> str:
+    """The `-arch` value for `arch`: Hopper builds for sm_90a, whose code runs only on sm_90 parts but
+    may use the warpgroup MMA (wgmma) the GEMM template needs. A pack is built for its GPU anyway."""
+    arch = arch or default_arch()
+    return f"{arch}a" if arch == "sm_90" else arch
+
+
 def _compile_flags(target: str, arch: str | None) -> list[str]:
     if target == "cuda":
-        arch = arch or default_arch()
-        return ["-O3", f"-arch={arch}", "-std=c++17", "-Xcompiler", "-fPIC,-fvisibility=hidden", f"-I{ABI_DIR}"]
+        return ["-O3", f"-arch={nvcc_arch(arch)}", "-std=c++17", "-Xcompiler", "-fPIC,-fvisibility=hidden",
+                f"-I{ABI_DIR}"]
     flags = ["-O3", "-std=c++17", "-fPIC", "-fvisibility=hidden"]
     if _cxx_supports("-ftrivial-auto-var-init=pattern"):
         flags.append("-ftrivial-auto-var-init=pattern")
@@ -154,7 +161,7 @@ def _compile_flags(target: str, arch: str | None) -> list[str]:
 
 def _link_flags(target: str, arch: str | None) -> list[str]:
     if target == "cuda":
-        return [f"-arch={arch or default_arch()}", "-shared", "-cudart", "static", "-Xlinker", "-z,defs"]
+        return [f"-arch={nvcc_arch(arch)}", "-shared", "-cudart", "static", "-Xlinker", "-z,defs"]
     return ["-shared", "-Wl,-z,defs"]
 
 

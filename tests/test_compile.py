@@ -61,7 +61,7 @@ def test_fixed_flags():
     assert "-O3" in cpu and "-shared" in cpu and "-std=c++17" in cpu
     assert not any("native" in f or "fast-math" in f for f in cpu)
     cuda = compiler_flags("cuda", "sm_90")
-    assert "-O3" in cuda and "-arch=sm_90" in cuda and "static" in cuda
+    assert "-O3" in cuda and "-arch=sm_90a" in cuda and "static" in cuda
     assert not any("fast-math" in f or "use_fast_math" in f for f in cuda)
     with pytest.raises(ForgepackError):
         compiler_flags("rocm", None)

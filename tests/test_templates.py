@@ -21,7 +21,7 @@ import torch
 
 from forgepack import capture, samples
 from forgepack.capture import card_from_call
-from forgepack.compile import ABI_DIR
+from forgepack.compile import ABI_DIR, nvcc_arch
 from forgepack.templates import FAMILIES, REGISTRY, by_name, neighbours, on_device, refusals, templates_for
 from forgepack.templates.common import CPU_PRELUDE, batch_unit
 
@@ -128,6 +128,21 @@ def _cases():
 
 CASES = _cases()
 
+# Hopper's GEMM (wgmma) serves the same products on cuda only, where K is a multiple of 64: an odd
+# width, and rows of M past a warpgroup's 64.
+WGMMA = "gemm.mm_unaligned_wgmma"
+WGMMA_CASES = [
+    (WGMMA, A.mm.default, (_x(40, 64, dtype=BF16), _x(37, 64, dtype=BF16, seed=1).t()), {}),
+    (WGMMA, A.mm.default, (_x(130, 128, dtype=F16), _x(299, 128, dtype=F16, seed=3).t()), {}),
+]
+
+
+def _served_on_cuda(expected: str, card) -> list[str]:
+    """What the cuda target should offer for a case: the GEMMs come as a pair where wgmma applies."""
+    if expected.startswith("gemm.") and card.tensor_inputs()[0].shape[1] % 64 == 0:
+        return ["gemm.mm_unaligned", WGMMA]
+    return [expected]
+
 
 def _card(op, args, kwargs):
     return card_from_call(op, args, kwargs)[0]
@@ -167,7 +182,8 @@ def test_registry_is_complete():
     for t in REGISTRY:
         assert t.ops, f"{t.name} declares no ops"
         assert t.name.startswith(t.family + "."), t.name
-        assert set(t.targets) == {"cuda", "cpu"}, f"{t.name} must serve both targets"
+        # every template serves both targets, except where the cuda kernel is a vendor instruction's
+        assert set(t.targets) == ({"cuda"} if t.name == WGMMA else {"cuda", "cpu"}), t.name
     for family, ops in REQUIRED_OPS.items():
         served = {op for t in REGISTRY if t.family == family for op in t.ops}
         missing = set(ops) - served
@@ -184,7 +200,12 @@ def test_every_case_is_claimed_by_its_template():
         served = [t.name for t in templates_for(card, "cpu")]
         why = refusals(card, "cpu")
         assert served == [expected], f"{card.op} [{card.signature()}]: served by {served}, refusals {why}"
-        assert [t.name for t in templates_for(on_device(card, "cuda"), "cuda")] == [expected]
+        cuda = on_device(card, "cuda")
+        assert [t.name for t in templates_for(cuda, "cuda")] == _served_on_cuda(expected, cuda)
+    for _, op, args, kwargs in WGMMA_CASES:
+        card = _card(op, args, kwargs)
+        assert [t.name for t in templates_for(card, "cpu")] == ["gemm.mm_unaligned"]
+        assert WGMMA in [t.name for t in templates_for(on_device(card, "cuda"), "cuda")]
 
 
 # --- refusals --------------------------------------------------------------------------------------
@@ -342,7 +363,7 @@ def test_an_odd_vocabulary_lm_head_is_served_by_the_gemm(evaluator, tmp_path):
     assert len(heads) == 1, [c.signature() for c in cap.cards if "mm" in c.op]
     card = heads[0]
     assert [t.name for t in templates_for(card, "cpu")] == ["gemm.mm_unaligned"]
-    assert [t.name for t in templates_for(on_device(card, "cuda"), "cuda")] == ["gemm.mm_unaligned"]
+    assert [t.name for t in templates_for(on_device(card, "cuda"), "cuda")] == ["gemm.mm_unaligned", WGMMA]
     path = tmp_path / "head.safetensors"
     card = dataclasses.replace(card, samples=samples.save_samples(path, cap.samples[card.id]))
     t = by_name("gemm.mm_unaligned")
@@ -358,6 +379,7 @@ def _first_dtype(args):
 
 
 CUDA_CASES = [c for c in CASES if _first_dtype(c[2]) == BF16 or c[0] in ("rowreduce.softmax", "norm.group_norm")]
+CUDA_CASES += WGMMA_CASES
 
 
 # Axes whose every value is rendered (from the default point), not only at the corners: the cache
@@ -437,8 +459,8 @@ def test_cuda_sources_compile_for_sm90():
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp) / "batch.cu"
             path.write_text(batch_unit([s for _, s in batch], "cuda"))
-            cmd = ["nvcc", "-O3", "-arch=sm_90", "-std=c++17", "-Werror", "all-warnings", "-I", str(ABI_DIR),
-                   "-c", str(path), "-o", str(Path(tmp) / "batch.o")]
+            cmd = ["nvcc", "-O3", f"-arch={nvcc_arch('sm_90')}", "-std=c++17", "-Werror", "all-warnings",
+                   "-I", str(ABI_DIR), "-c", str(path), "-o", str(Path(tmp) / "batch.o")]
             out = subprocess.run(cmd, capture_output=True, text=True, check=False)
             return out.returncode, out.stderr[-4000:], [n for n, _ in batch]
 
@@ -452,7 +474,7 @@ def test_cuda_sources_pass_static_checks_and_the_real_compile():
     from forgepack import staticcheck
     from forgepack.compile import compile_kernel
 
-    picks = ["elementwise.cat", "rowreduce.layer_norm", "norm.group_norm", "pool.max2d"]
+    picks = ["elementwise.cat", "rowreduce.layer_norm", "norm.group_norm", "pool.max2d", WGMMA]
     sources = []
     for name in picks:
         _expected, op, args, kwargs = next(c for c in CUDA_CASES if c[0] == name)
@@ -493,7 +515,7 @@ def test_cuda_kernels_pass_the_verifier():
     from forgepack.compile import compile_kernel
     from forgepack.evaluate import Evaluator
 
-    cases = [(e, op, _to_cuda(args), kw) for e, op, args, kw in CASES]
+    cases = [(e, op, _to_cuda(args), kw) for e, op, args, kw in CASES + WGMMA_CASES]
     img = torch.randn(2, 8, 7, 9, device="cuda", dtype=F16)
     stats = [torch.randn(8, device="cuda") for _ in range(3)] + [torch.rand(8, device="cuda") + 0.5]  # cuDNN: fp32
     cases.append(("norm.batch_norm", A.cudnn_batch_norm.default, (img, *stats, False, 0.1, 1e-5), {}))

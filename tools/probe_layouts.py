@@ -12,8 +12,12 @@ columns measured side by side in one process:
 3. Two read streams and one write stream (add, cat) vs copy: does placing the inputs at offsets that
    are not a power of two apart change the bandwidth (DRAM channel conflicts)?
 4. ViT-base (fp16, b16): the whole forward replayed from a CUDA graph under each attention backend.
+5. The GEMM templates on GPT-2's LM head (and a narrower product): every point of each template,
+   compiled, timed from CUDA graph replay beside cuBLAS's ways of computing the same output, and
+   the fastest points checked by the real verifier.
+6. GPT-2's tanh GELU fusion card through every fused template's points, beside the eager chain.
 
-    python tools/probe_layouts.py [--only lmhead,resnet,streams,vit]
+    python tools/probe_layouts.py [--only lmhead,resnet,streams,vit,gemm,gelu]
 """
 
 from __future__ import annotations
@@ -106,6 +110,124 @@ def probe_lmhead() -> list[dict]:
     return rows
 
 
+def _template_points(card, jobs: int = 16, limit: int | None = None) -> list[dict]:
+    """Every point (up to `limit` per template) of every template serving `card`, compiled in
+    parallel and loaded."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from forgepack.compile import compile_kernel
+    from forgepack.templates import points, templates_for
+    from forgepack.verify import load_kernel
+
+    todo = []
+    for t in templates_for(card, "cuda"):
+        for p in points(t, card, "cuda", limit):
+            try:
+                todo.append((t, p, t.render(card, "cuda", p)))
+            except ValueError:  # a point the template cannot build (shared memory, warp split)
+                continue
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        built = list(pool.map(lambda j: compile_kernel(j[2], "cuda"), todo))
+    out = []
+    for (t, p, src), res in zip(todo, built, strict=True):
+        if res.ok:
+            out.append({"template": t.name, "params": p, "source": src, "compiled": res, "fn": load_kernel(res.binary)})
+        else:
+            print(f"{t.name} {p}: compile failed: {res.log[-500:]}", flush=True)
+    return out
+
+
+def probe_gemm(shapes=((1024, 768, 50257), (64, 768, 50257))) -> list[dict]:
+    from forgepack.capture import card_from_call
+    from forgepack.evaluate import Evaluator
+    from forgepack.verify import KernelCall
+
+    rows = []
+    for m, k, n in shapes:
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        x = torch.randn(m, k, device="cuda", dtype=torch.float16, generator=gen)
+        w = torch.randn(n, k, device="cuda", dtype=torch.float16, generator=gen) * 0.05
+        ref = x @ w.t()
+        flops = 2 * m * n * k
+        label = f"{m}x{k} @ {k}x{n}"
+        stock = {"cuBLAS mm (align1)": lambda x=x, w=w: torch.mm(x, w.t()),
+                 "cuBLAS transposed product + transpose copy": lambda x=x, w=w: torch.mm(w, x.t()).t().contiguous(),
+                 "cuBLAS transposed product alone": lambda x=x, w=w: torch.mm(w, x.t())}
+        for name, fn in stock.items():
+            us = graph_us(fn)
+            rows.append({"shape": label, "variant": name, "us": us, "tflops": flops / us / 1e6})
+        card = card_from_call(torch.ops.aten.mm.default, (x, w.t()), {})[0]
+        out = torch.empty(m, n, device="cuda", dtype=torch.float16)
+        stream = torch.cuda.current_stream().cuda_stream
+        timed = []
+        for pt in _template_points(card):
+            call = KernelCall(pt["fn"], [x, w.t()], [out], [], stream)
+            out.fill_(float("nan"))
+            if call() != 0:
+                print(f"{pt['template']} {pt['params']}: returned an error", flush=True)
+                continue
+            torch.cuda.synchronize()
+            err = rel_err(out, ref)
+            us = graph_us(call, reps=10, rounds=5)
+            timed.append({**pt, "us": us, "err": err})
+            print(f"{label} {pt['template']} {pt['params']}: {us:.1f} us, rel err {err:.2e}", flush=True)
+        timed.sort(key=lambda r: r["us"])
+        with Evaluator("cuda") as ev:
+            for r in timed[:3] + [r for r in timed[3:] if r["err"] > 1e-2][:2]:
+                verdict = ev.evaluate_compiled(card, r["compiled"], r["source"], bench=False)
+                r["verified"] = "yes" if verdict.accepted else f"no: {verdict.reason[:80]}"
+        for r in timed[:8]:
+            rows.append({"shape": label, "variant": f"{r['template']} {r['params']}", "us": r["us"],
+                         "tflops": flops / r["us"] / 1e6, "rel_err": r["err"], "verified": r.get("verified", "")})
+        bad = [r for r in timed if not r["err"] < 1e-2]
+        rows.append({"shape": label, "variant": f"points timed: {len(timed)}, off by > 1e-2: {len(bad)}",
+                     "us": float("nan")})
+        torch.cuda.empty_cache()
+    return rows
+
+
+def probe_gelu() -> list[dict]:
+    """GPT-2's tanh GELU (one fusion card, [4,256,3072] fp16) through every fused template's points,
+    beside the eager chain, all replayed from CUDA graphs."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from forgepack import capture, fusion, samples
+    from forgepack.templates import templates_for
+    from forgepack.verify import KernelCall
+
+    cfg = GPT2Config(n_embd=768, n_layer=1, n_head=12, vocab_size=50257, n_positions=1024)
+    model = GPT2LMHeadModel(cfg).eval().to("cuda", torch.float16)
+    ids = torch.randint(0, cfg.vocab_size, (4, 256), device="cuda")
+    with torch.no_grad():
+        cap = capture.capture(model, lambda: model(input_ids=ids), keep_samples=False)
+    cards = [c for c in fusion.group(cap, fusion.find(cap)[0]) if "gelu" in c.op]
+    rows = []
+    stream = torch.cuda.current_stream().cuda_stream
+    for card in cards:
+        inputs = samples.fresh_inputs(card, seed=0, device=torch.device("cuda"))
+        outs = [samples.materialize(m, torch.zeros(m.span()), torch.device("cuda")) for m in card.outputs]
+        eager = graph_us(lambda card=card, inputs=inputs: fusion.run_chain(card, inputs, "cuda"))
+        rows.append({"card": card.signature()[:50], "variant": "eager chain", "us": eager})
+        print(rows[-1], [t.name for t in templates_for(card, "cuda")], flush=True)
+        timed = []
+        for pt in _template_points(card, limit=40):
+            call = KernelCall(pt["fn"], inputs, outs, card.scalars(), stream)
+            if call() != 0:
+                continue
+            timed.append((graph_us(call, reps=20, rounds=5), pt["template"], pt["params"]))
+        timed.sort(key=lambda r: r[0])
+        best = {}
+        for us, name, params in timed:
+            best.setdefault(name, []).append((us, params))
+        for name, runs in best.items():
+            for us, params in runs[:3]:
+                rows.append({"card": card.signature()[:50], "variant": f"{name} {params}", "us": us,
+                             "x eager": eager / us})
+            rows.append({"card": card.signature()[:50], "variant": f"{name}: {len(runs)} points, slowest",
+                         "us": runs[-1][0]})
+    return rows
+
+
 def resnet(channels_last: bool) -> tuple[torch.nn.Module, torch.Tensor]:
     import transformers
 
@@ -193,13 +315,14 @@ def stream_rows(label: str, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, h
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", default="lmhead,resnet,streams,vit")
+    parser.add_argument("--only", default="lmhead,resnet,streams,vit,gemm,gelu")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("probe_layouts needs a CUDA GPU")
         return 1
     info = benchlib.meta()
-    probes = {"lmhead": probe_lmhead, "resnet": probe_resnet, "streams": probe_streams, "vit": probe_vit}
+    probes = {"lmhead": probe_lmhead, "resnet": probe_resnet, "streams": probe_streams, "vit": probe_vit,
+              "gemm": probe_gemm, "gelu": probe_gelu}
     data: dict = {"meta": info}
     md = benchlib.header_md("Layout probes (GPU time from CUDA graph replay)", info)
     for name in args.only.split(","):

@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from forgepack.cards import Card
+from forgepack.compile import default_arch
 from forgepack.templates.common import Template, align_check, ceil_div, ctype, entry, launch_status, prelude
 
 TILES = ["128x128", "128x256", "256x128", "64x128"]
@@ -228,4 +229,197 @@ __global__ void __launch_bounds__({threads}) fp_gemm(const {t}* __restrict__ a, 
     return prelude("cuda") + kernel + entry(card, "cuda", body)
 
 
-TEMPLATES = (GemmTemplate("gemm.mm_unaligned", "gemm", ("cuda", "cpu"), ("aten.mm.default",)),)
+# --- Hopper: warpgroup MMA (wgmma) ------------------------------------------------------------------
+
+WG_TILES = ["128x256", "128x192", "256x128", "128x128", "64x256"]
+WG_STAGES = [4, 5, 6, 3]  # the last corner (the smallest tile) at 3: every corner fits
+WG_BK = 64  # one 128-byte swizzle row of fp16/bf16 per operand row
+
+
+class WgmmaTemplate(GemmTemplate):
+    """The same product on Hopper's warpgroup MMA: operands read by the tensor cores straight from
+    128-byte-swizzled shared memory, which WMMA's register-fragment loads cannot match (WMMA reached
+    220 TFLOP/s on GPT-2's LM head)."""
+
+    def plan(self, card: Card, target: str):
+        arch = default_arch()
+        if arch != "sm_90":
+            return f"wgmma is Hopper's (sm_90); this machine compiles for {arch}"
+        plan = super().plan(card, target)
+        if isinstance(plan, GemmPlan) and plan.k % WG_BK:
+            return f"K must be a multiple of {WG_BK}"
+        return plan
+
+    def axes(self, plan: GemmPlan, target: str) -> dict[str, list]:
+        return {"tile": WG_TILES, "stages": WG_STAGES}
+
+    def pick_default(self, plan, axes, target):
+        return {"tile": "128x256", "stages": 4}
+
+    def emit(self, card: Card, plan: GemmPlan, target: str, params: dict) -> str:
+        return render_wgmma(card, plan, params)
+
+
+def wgmma_smem_bytes(bm: int, bn: int, stages: int) -> int:
+    pipeline = stages * (bm + bn) * WG_BK * 2
+    epilogue = bm * (bn + PAD) * 2
+    return max(pipeline, epilogue) + 1024  # + room to align the base to the 1024-byte swizzle atom
+
+
+def _wgmma_asm(n: int, ab: str) -> str:
+    """One m64n{n}k16 warpgroup MMA, fp32 accumulators in registers, both operands K-major in
+    shared memory (the descriptors), scale-d = 1 (accumulate)."""
+    regs = n // 2
+    dlist = ", ".join(f"%{i}" for i in range(regs))
+    outs = ", ".join(f'"+f"(d[{i}])' for i in range(regs))
+    return f"""FP_FN void fp_wgmma(float* d, uint64_t da, uint64_t db) {{
+  asm volatile("{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{regs + 2}, 0;\\n"
+               "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ab}.{ab} {{{dlist}}}, "
+               "%{regs}, %{regs + 1}, p, 1, 1, 0, 0;\\n}}\\n"
+               : {outs}
+               : "l"(da), "l"(db), "r"(1));
+}}"""
+
+
+def render_wgmma(card: Card, plan: GemmPlan, params: dict) -> str:
+    bm, bn = (int(x) for x in params["tile"].split("x"))
+    stages = params["stages"]
+    if bm % 64 or bn % 8 or bn > 256:
+        raise ValueError(f"gemm: tile {bm}x{bn} is not warpgroups of m64 by n<=256")
+    smem = wgmma_smem_bytes(bm, bn, stages)
+    if smem > SMEM_LIMIT:
+        raise ValueError(f"gemm: {smem} bytes of shared memory is over the {SMEM_LIMIT} a block may use")
+    t = ctype(plan.dtype, "cuda")
+    ab = "f16" if plan.dtype == "float16" else "bf16"
+    groups = bm // 64
+    threads = groups * 128
+    ahead = stages - 2  # tiles in flight ahead of the one computed: one more stage is still being read
+    regs = bn // 2
+    # One batch of MMAs left in flight across the loop's barrier. ptxas (CUDA 13.0) serialises the
+    # MMAs of the narrower tiles when a batch is left in flight, so those wait for theirs.
+    inflight = 1 if bn == 256 else 0
+    kt = plan.k // WG_BK
+    stage_bytes = (bm + bn) * WG_BK * 2
+    grid_m, grid_n = ceil_div(plan.m, bm), ceil_div(plan.n, bn)
+    kernel = f"""
+FP_FN void fp_cp16(uint32_t smem, const void* gmem, bool valid) {{
+  const int bytes = valid ? 16 : 0;  // 0: the 16 bytes are zero-filled
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\\n" :: "r"(smem), "l"(gmem), "r"(bytes));
+}}
+FP_FN void fp_cp_commit() {{ asm volatile("cp.async.commit_group;\\n" ::); }}
+template <int N> FP_TFN void fp_cp_wait() {{ asm volatile("cp.async.wait_group %0;\\n" :: "n"(N) : "memory"); }}
+FP_FN void fp_wg_fence() {{ asm volatile("wgmma.fence.sync.aligned;\\n" ::: "memory"); }}
+FP_FN void fp_wg_commit() {{ asm volatile("wgmma.commit_group.sync.aligned;\\n" ::: "memory"); }}
+template <int N> FP_TFN void fp_wg_wait() {{
+  asm volatile("wgmma.wait_group.sync.aligned %0;\\n" :: "n"(N) : "memory");
+}}
+// cp.async writes through the generic proxy, wgmma reads through the async proxy.
+FP_FN void fp_proxy_fence() {{ asm volatile("fence.proxy.async.shared::cta;\\n" ::: "memory"); }}
+// Keeps the compiler from reading the accumulators before the last MMA has retired (no instruction:
+// in the main loop one would make ptxas serialise the MMAs).
+FP_FN void fp_fence_regs(float* d) {{
+#pragma unroll
+  for (int i = 0; i < {regs}; ++i) asm volatile("" : "+f"(d[i]) :: "memory");
+}}
+
+// A K-major operand tile in 128-byte swizzle: rows of 64 elements (128 bytes), 8-row atoms of 1024
+// bytes, 16-byte chunk c of row r stored at chunk c ^ (r % 8). Leading offset unused, stride 1024.
+FP_FN uint64_t fp_desc(uint32_t addr) {{
+  return (uint64_t)((addr & 0x3FFFF) >> 4) | (1ull << 16) | ((uint64_t)(1024 >> 4) << 32) | (1ull << 62);
+}}
+
+{_wgmma_asm(bn, ab)}
+
+// One stage: rows [m0, m0 + {bm}) of a and [n0, n0 + {bn}) of w, columns [k0, k0 + {WG_BK}), swizzled.
+FP_FN void fp_load(const {t}* __restrict__ a, const {t}* __restrict__ w, uint32_t as, uint32_t bs,
+                   int m0, int n0, int k0) {{
+  for (int c = threadIdx.x; c < {bm * 8}; c += {threads}) {{
+    const int r = c / 8, q = c % 8;
+    const bool ok = m0 + r < {plan.m};
+    fp_cp16(as + r * 128 + ((q ^ (r % 8)) << 4), a + (size_t)(ok ? m0 + r : 0) * {plan.lda} + k0 + q * 8, ok);
+  }}
+  for (int c = threadIdx.x; c < {bn * 8}; c += {threads}) {{
+    const int r = c / 8, q = c % 8;
+    const bool ok = n0 + r < {plan.n};
+    fp_cp16(bs + r * 128 + ((q ^ (r % 8)) << 4), w + (size_t)(ok ? n0 + r : 0) * {plan.ldb} + k0 + q * 8, ok);
+  }}
+}}
+
+__global__ void __launch_bounds__({threads}) fp_gemm(const {t}* __restrict__ a, const {t}* __restrict__ w,
+                                                   {t}* __restrict__ c) {{
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  extern __shared__ __align__(128) unsigned char fp_smem_raw[];
+  unsigned char* fp_smem = fp_smem_raw + ((1024 - ((uint32_t)__cvta_generic_to_shared(fp_smem_raw) % 1024)) % 1024);
+  const uint32_t base = (uint32_t)__cvta_generic_to_shared(fp_smem);
+  // blockIdx.x walks M: the blocks that run together share one weight tile (read once) and the
+  // activations, which are small, stay in L2.
+  const int m0 = blockIdx.x * {bm}, n0 = blockIdx.y * {bn};
+  const int group = threadIdx.x / 128;
+  float d[{regs}];
+#pragma unroll
+  for (int i = 0; i < {regs}; ++i) d[i] = 0.0f;
+#pragma unroll
+  for (int s = 0; s < {ahead}; ++s) {{
+    if (s < {kt}) fp_load(a, w, base + s * {stage_bytes}, base + s * {stage_bytes} + {bm * 128}, m0, n0, s * {WG_BK});
+    fp_cp_commit();
+  }}
+  for (int kt = 0; kt < {kt}; ++kt) {{
+    fp_cp_wait<{ahead - 1}>();
+    fp_proxy_fence();
+    // Tile kt is in for every thread, and every warpgroup has retired the MMAs of tile kt - 2 (or
+    // kt - 1), whose stage the next load refills.
+    __syncthreads();
+    const int next = kt + {ahead};
+    if (next < {kt}) fp_load(a, w, base + (next % {stages}) * {stage_bytes},
+                             base + (next % {stages}) * {stage_bytes} + {bm * 128}, m0, n0, next * {WG_BK});
+    fp_cp_commit();
+    const uint32_t sa = base + (kt % {stages}) * {stage_bytes} + group * {64 * 128};
+    const uint32_t sb = base + (kt % {stages}) * {stage_bytes} + {bm * 128};
+    fp_wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < {WG_BK // 16}; ++kk) fp_wgmma(d, fp_desc(sa + kk * 32), fp_desc(sb + kk * 32));
+    fp_wg_commit();
+    fp_wg_wait<{inflight}>();
+  }}
+  fp_wg_wait<0>();
+  fp_fence_regs(d);
+  fp_cp_wait<0>();
+  __syncthreads();  // the pipeline's memory now holds the output tile
+  {t}* ct = ({t}*)fp_smem;
+  // The accumulator layout: warp w of the group holds rows 16w..16w+15; register 4j+2h+e is row
+  // lane/4 + 8h, column 8j + 2(lane%4) + e.
+  const int lane = threadIdx.x % 32, row0 = group * 64 + (threadIdx.x % 128) / 32 * 16 + lane / 4;
+#pragma unroll
+  for (int j = 0; j < {bn // 8}; ++j)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {{
+      {t}* dst = ct + (row0 + 8 * h) * {bn + PAD} + j * 8 + (lane % 4) * 2;
+      dst[0] = fp_st<{t}>(d[4 * j + 2 * h]);
+      dst[1] = fp_st<{t}>(d[4 * j + 2 * h + 1]);
+    }}
+  __syncthreads();
+  const int rows = min({bm}, {plan.m} - m0), cols = min({bn}, {plan.n} - n0);
+  for (int r = threadIdx.x / 32; r < rows; r += {threads // 32}) {{
+    {t}* dst = c + (size_t)(m0 + r) * {plan.n} + n0;
+    for (int col = lane; col < cols; col += 32) dst[col] = ct[r * {bn + PAD} + col];
+  }}
+#endif  // built without sm_90a's features the kernel writes nothing, and verification rejects it
+}}
+"""
+    body = f"""const {t}* a = (const {t}*)call->inputs[0].data;
+  const {t}* w = (const {t}*)call->inputs[1].data;
+  if (!({align_check([("a", 16), ("w", 16)])})) return FP_ERR_UNSUPPORTED;
+  int dev = 0, major = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev)
+      != cudaSuccess || major != 9) return FP_ERR_UNSUPPORTED;
+  cudaError_t err = cudaFuncSetAttribute(fp_gemm, cudaFuncAttributeMaxDynamicSharedMemorySize, {smem});
+  if (err != cudaSuccess) return (int32_t)err;
+  fp_gemm<<<dim3({grid_m}u, {grid_n}u), {threads}, {smem}, stream>>>(a, w, ({t}*)call->outputs[0].data);
+  {launch_status("cuda")}"""
+    return prelude("cuda") + kernel + entry(card, "cuda", body)
+
+
+TEMPLATES = (
+    GemmTemplate("gemm.mm_unaligned", "gemm", ("cuda", "cpu"), ("aten.mm.default",)),
+    WgmmaTemplate("gemm.mm_unaligned_wgmma", "gemm", ("cuda",), ("aten.mm.default",)),
+)
