@@ -6,7 +6,9 @@ For each recipe and column (the columns of `forgepack bench`: graphs, pack+graph
   when the GPU has nothing queued);
 - kernel ms: the sum of the GPU kernels' durations in one forward (torch.profiler; CUDA graph replays
   included), and how many kernels and memcpy/memset operations one forward runs;
-- the kernels that take the most time, per column, so a gap between two columns has names.
+- the kernels that take the most time, per column, so a gap between two columns has names;
+- for eager columns (`eager`, `pack`), the aten ops that launched each of those kernels, innermost
+  first, so a kernel's name leads back to the model code.
 
     python tools/probe_kernels.py llama-1b-decode gpt2 --columns graphs,pack+graphs,compile-ro \
         [--packs-root DIR]      # DIR/<recipe>/packs/*.whl: the pack of each recipe (tools/bench_packs.py)
@@ -100,10 +102,30 @@ def kernels(col: Column, fn, calls: int = 5) -> dict:
         if e.device_type == torch.autograd.DeviceType.CPU and e.name != "probe.call":
             host[e.name] += e.self_cpu_time_total / calls
     copies = sum(n for name, n in count.items() if name.startswith(("Memcpy", "Memset"))) // calls
-    return {"us": us, "count": count, "calls": calls, "copies": copies,
+    return {"us": us, "count": count, "calls": calls, "copies": copies, "ops": _launching_ops(events),
             "pre_us": statistics.median(pre) if pre else None, "span_us": statistics.median(span) if span else None,
             "idle_us": statistics.median(idle) if idle else None,
             "host_top": [{"host op": short(k, 60), "self µs": v} for k, v in host.most_common(8)]}
+
+
+def _launching_ops(events: list) -> dict[str, collections.Counter]:
+    """Kernel name -> how often each chain of aten ops (innermost first, three deep) launched it."""
+    out: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    for e in events:
+        if e.device_type != torch.autograd.DeviceType.CPU or not getattr(e, "kernels", None):
+            continue
+        chain, node = [], e
+        while node is not None and len(chain) < 3:
+            if node.name.startswith("aten::"):
+                chain.append(node.name[len("aten::"):])
+            node = node.cpu_parent
+        for k in e.kernels:
+            out[k.name][" < ".join(chain) or e.name] += 1
+    return out
+
+
+def _chains(chains: collections.Counter | None, calls: int) -> str:
+    return "; ".join(f"{chain} x{n // calls}" for chain, n in (chains or collections.Counter()).most_common(3))
 
 
 def _busy(kernels: list) -> float:
@@ -149,6 +171,10 @@ def probe(recipe_name: str, columns: list[str], packs_root: Path | None) -> dict
                 "top": [{"kernel": short(k), "us": v, "per_call": count[k] / calls} for k, v in us.most_common(TOP)],
                 "host_top": prof["host_top"],
             }
+            if name in ("eager", "pack"):
+                result["columns"][name]["ops"] = [
+                    {"kernel": short(k, 70), "us": v, "launched by": _chains(prof["ops"].get(k), calls)}
+                    for k, v in us.most_common(2 * TOP)]
             torch.cuda.synchronize()
     return result
 
@@ -174,6 +200,9 @@ def render(info: dict, results: list[dict]) -> str:
             if "top" in c:
                 md += f"### {res['recipe']}: {name}, top kernels (µs per forward)\n\n"
                 md += tabulate(c["top"], headers="keys", floatfmt=".1f", tablefmt="github") + "\n\n"
+                if "ops" in c:
+                    md += f"{name}: the aten ops that launched its kernels (innermost first):\n\n"
+                    md += tabulate(c["ops"], headers="keys", floatfmt=".1f", tablefmt="github") + "\n\n"
                 md += f"host ops of {name}, self time per forward:\n\n"
                 md += tabulate(c["host_top"], headers="keys", floatfmt=".1f", tablefmt="github") + "\n\n"
     return md

@@ -232,7 +232,7 @@ __global__ void __launch_bounds__({threads}) fp_gemm(const {t}* __restrict__ a, 
 # --- Hopper: warpgroup MMA (wgmma) ------------------------------------------------------------------
 
 WG_TILES = ["128x256", "128x192", "256x128", "128x128", "64x256"]
-WG_STAGES = [4, 5, 6, 3]  # the last corner (the smallest tile) at 3: every corner fits
+WG_STAGES = [4, 5, 6, 3, 2]  # at 2 stages (double buffering) the smaller tiles fit two blocks per SM
 WG_BK = 64  # one 128-byte swizzle row of fp16/bf16 per operand row
 
 
@@ -293,11 +293,15 @@ def render_wgmma(card: Card, plan: GemmPlan, params: dict) -> str:
     ab = "f16" if plan.dtype == "float16" else "bf16"
     groups = bm // 64
     threads = groups * 128
-    ahead = stages - 2  # tiles in flight ahead of the one computed: one more stage is still being read
     regs = bn // 2
     # One batch of MMAs left in flight across the loop's barrier. ptxas (CUDA 13.0) serialises the
     # MMAs of the narrower tiles when a batch is left in flight, so those wait for theirs.
-    inflight = 1 if bn == 256 else 0
+    inflight = 1 if bn == 256 and stages > 2 else 0
+    ahead = stages - 1 - inflight  # tiles loading ahead of the one computed (the rest are being read)
+    # Two blocks per SM where both fit (shared memory, and registers capped at 128 for 256 threads):
+    # one block's prologue and epilogue then overlap the other's MMAs, which matters at GPT-2's K
+    # (12 slices per tile).
+    blocks = 2 if 2 * smem <= SMEM_LIMIT and threads * bn // 2 <= 128 * 128 else 1
     kt = plan.k // WG_BK
     stage_bytes = (bm + bn) * WG_BK * 2
     grid_m, grid_n = ceil_div(plan.m, bm), ceil_div(plan.n, bn)
@@ -345,8 +349,8 @@ FP_FN void fp_load(const {t}* __restrict__ a, const {t}* __restrict__ w, uint32_
   }}
 }}
 
-__global__ void __launch_bounds__({threads}) fp_gemm(const {t}* __restrict__ a, const {t}* __restrict__ w,
-                                                   {t}* __restrict__ c) {{
+__global__ void __launch_bounds__({threads}, {blocks}) fp_gemm(const {t}* __restrict__ a,
+                                                              const {t}* __restrict__ w, {t}* __restrict__ c) {{
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ __align__(128) unsigned char fp_smem_raw[];
   unsigned char* fp_smem = fp_smem_raw + ((1024 - ((uint32_t)__cvta_generic_to_shared(fp_smem_raw) % 1024)) % 1024);
@@ -366,8 +370,8 @@ __global__ void __launch_bounds__({threads}) fp_gemm(const {t}* __restrict__ a, 
   for (int kt = 0; kt < {kt}; ++kt) {{
     fp_cp_wait<{ahead - 1}>();
     fp_proxy_fence();
-    // Tile kt is in for every thread, and every warpgroup has retired the MMAs of tile kt - 2 (or
-    // kt - 1), whose stage the next load refills.
+    // Tile kt is in for every thread, and every warpgroup has retired the MMAs of tile
+    // kt - 1 - inflight, whose stage the next load refills.
     __syncthreads();
     const int next = kt + {ahead};
     if (next < {kt}) fp_load(a, w, base + (next % {stages}) * {stage_bytes},
