@@ -558,6 +558,44 @@ def test_llama_prefill_replays_match_eager(llama):
     assert run.stats()["replays"] == 3 and not run.stats()["failures"]
 
 
+def _attention_masks(run: graphs.GraphedForward) -> list:
+    """The attn_mask argument of every attention call in each captured (emulated) graph."""
+    masks = []
+    for entry, _ in run._cache._entries.values():
+        for func, args, kwargs, _ in entry.captured.handle.calls:
+            if "scaled_dot_product" in func._schema.name:
+                i = [a.name for a in func._schema.arguments].index("attn_mask")
+                masks.append(args[i] if i < len(args) else kwargs.get("attn_mask"))
+    return masks
+
+
+@pytest.mark.parametrize("model_name", ["llama", "gpt2"])
+def test_prefill_capture_takes_the_eager_mask_shortcut(model_name, llama):
+    """Under capture transformers cannot check on the host that nothing is padded or packed, so it
+    builds a full mask that every layer's SDPA converts. Without a mask, positions or cache from the
+    caller the checks pass by construction, and the capture runs what eager runs: no mask at all."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = llama if model_name == "llama" else GPT2LMHeadModel(
+        GPT2Config(n_embd=64, n_layer=2, n_head=2, vocab_size=256, n_positions=64)).eval()
+    ids = torch.randint(0, 256, (2, 12))
+    with torch.no_grad():
+        run = graphs.GraphedForward(model, **EMU)
+        for _ in range(3):
+            out = run(input_ids=ids, use_cache=False)
+        assert torch.allclose(out.logits, model(input_ids=ids, use_cache=False).logits, atol=1e-5)
+        assert run.stats()["captures"] == 1 and _attention_masks(run) and not any(
+            m is not None for m in _attention_masks(run))
+        # A caller's mask (or positions) decides the mask from data: then the capture builds it.
+        masked = graphs.GraphedForward(model, **EMU)
+        pad = torch.ones_like(ids)
+        pad[0, :3] = 0
+        for _ in range(3):
+            out = masked(input_ids=ids, attention_mask=pad, use_cache=False)
+        assert torch.allclose(out.logits, model(input_ids=ids, attention_mask=pad, use_cache=False).logits, atol=1e-5)
+        assert all(m is not None for m in _attention_masks(masked))
+
+
 def test_llama_static_cache_decode_replays_one_graph_per_step(llama):
     cache, twin = static_cache(llama), static_cache(llama)
     run = graphs.GraphedForward(llama, **EMU)
