@@ -11,7 +11,7 @@ from pack_kernels import KERNELS, SLOW_MUL, WRONG_SILU, add_unchecked, find_card
 
 from forgepack.pack import build_pack
 from forgepack.pack import manifest as manifest_mod
-from forgepack.pack.gate import Timing, decide_pay, decide_use, greedy_agree
+from forgepack.pack.gate import Timing, decide_pay, decide_use, eager_because, greedy_agree
 
 # --- the decisions, from measurements -------------------------------------------------------------------------
 
@@ -28,6 +28,17 @@ def test_a_kernel_is_kept_only_when_the_model_is_slower_without_it():
     assert set(dropped) == {"hurts", "nothing"} and "faster without it" in dropped["hurts"]
     assert ratios["helps"][0] > 1.05 and ratios["hurts"][0] < 0.95
     assert ratios["helps"][1] <= ratios["helps"][0] <= ratios["helps"][2]
+
+
+def test_kernels_judged_in_eager_mode_say_why():
+    """A build that could not time its kernels under graph replay says why, so the reason a kernel was
+    dropped can be followed up (the Llama decode gate did this without saying why)."""
+    assert eager_because(None, "") == "in eager mode"
+    failed = {"enabled": False, "reason": "replay differs from eager in logits: 3e-1 at [0, 5]"}
+    assert eager_because(failed, "") == (
+        "in eager mode (graph replay with every kernel: replay differs from eager in logits: 3e-1 at [0, 5])")
+    timing = "graph capture failed while timing: {'without:a': 'operation not permitted'}"
+    assert eager_because({"enabled": True, "reason": "matched"}, timing) == f"in eager mode ({timing})"
 
 
 def test_an_unused_kernel_is_dropped():

@@ -354,7 +354,8 @@ def _build(workspace: Workspace, recipe: Recipe, margin: float, gate: bool, out_
             check = gate_mod.run(recipe, root, manifest.name, "verify", rounds=rounds)
             if set(check.kept) != kept_ids:
                 raise ForgepackError(f"the rebuilt pack failed the end-to-end check: {check.dropped}")
-            summary = {**check.summary, "outputs": check.outputs.get("note", "")}
+            first = {k: outcome.summary[k] for k in ("graphs_first",) if k in outcome.summary}
+            summary = {**check.summary, **first, "outputs": check.outputs.get("note", "")}
         manifest = finalize(root, manifest, "passed", ratios, summary)
     for c in chosen:
         decisions.append(Decision(c.card.id, c.card.op, c.card.signature(), True, "gate" if gate else "select",

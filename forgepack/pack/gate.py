@@ -287,14 +287,25 @@ class GraphTimingFailed(ForgepackError):
 
 
 def measure_best(lm, pack, configs: dict[str, set[str] | None], rounds: int, reps: int, seed: int,
-                 graphed: bool) -> tuple[Timing, bool]:
-    """`measure` under graph replay when asked and possible, else eagerly; (timing, timed under graphs)."""
+                 graphed: bool) -> tuple[Timing, bool, str]:
+    """`measure` under graph replay when asked and possible, else eagerly; (timing, timed under graphs,
+    why a graph timing that was asked for failed)."""
     if graphed:
         try:
-            return measure(lm, pack, configs, rounds, reps, seed, graphed=True), True
+            return measure(lm, pack, configs, rounds, reps, seed, graphed=True), True, ""
         except GraphTimingFailed as err:
             print(f"gate: {err}; timing eagerly", file=sys.stderr)
-    return measure(lm, pack, configs, rounds, reps, seed), False
+            return measure(lm, pack, configs, rounds, reps, seed), False, str(err)
+    return measure(lm, pack, configs, rounds, reps, seed), False, ""
+
+
+def eager_because(verdict: dict[str, Any] | None, timing_failure: str) -> str:
+    """Why kernels were judged in eager mode, for the reasons a build prints: graph mode's verdict with
+    every kept kernel active, or the capture that failed while timing."""
+    if verdict is None:
+        return "in eager mode"
+    why = timing_failure or ("" if verdict["enabled"] else f"graph replay with every kernel: {verdict['reason']}")
+    return f"in eager mode ({why[:200]})" if why else "in eager mode"
 
 
 def evaluate(lm, pack, mode: str, rounds: int = ROUNDS, reps: int = REPS) -> GateOutcome:
@@ -326,10 +337,12 @@ def evaluate(lm, pack, mode: str, rounds: int = ROUNDS, reps: int = REPS) -> Gat
     # overhead hides every microsecond of GPU time a kernel saves (MEASUREMENTS.md).
     verdict = check_graphs(lm, pack, set(keep)) if keep and lm.device.type == "cuda" else None
     graphed = bool(verdict and verdict["enabled"])
+    if verdict is not None and not graphed:
+        summary["graphs_first"] = verdict  # kept: the final verdict may be for fewer kernels
     if mode == "full" and keep:
         configs = {"stock": None, "pack": set(keep), **{f"without:{i}": set(keep) - {i} for i in keep}}
-        timing, graphed = measure_best(lm, pack, configs, rounds, reps, 0, graphed)
-        under = "under CUDA graph replay" if graphed else "in eager mode"
+        timing, graphed, failure = measure_best(lm, pack, configs, rounds, reps, 0, graphed)
+        under = "under CUDA graph replay" if graphed else eager_because(verdict, failure)
         kept_now, slow, ratios = decide_pay(keep, timing, under)
         dropped.update(slow)
         if kept_now != keep and kept_now and verdict is not None:
@@ -337,11 +350,11 @@ def evaluate(lm, pack, mode: str, rounds: int = ROUNDS, reps: int = REPS) -> Gat
         keep = kept_now
     if keep:
         graphed = graphed and bool(verdict and verdict["enabled"])
-        final, graphed = measure_best(lm, pack, {"stock": None, "pack": set(keep)}, rounds, reps, 1, graphed)
+        final, graphed, _ = measure_best(lm, pack, {"stock": None, "pack": set(keep)}, rounds, reps, 1, graphed)
         ratio, low, high = final.ratio("stock", "pack")
-        summary = {"stock_ms": final.median("stock"), "pack_ms": final.median("pack"), "speedup": ratio,
-                   "ci": [low, high], "rounds": rounds, "reps": reps,
-                   "timed_under": "graphs" if graphed else "eager"}
+        summary.update({"stock_ms": final.median("stock"), "pack_ms": final.median("pack"), "speedup": ratio,
+                        "ci": [low, high], "rounds": rounds, "reps": reps,
+                        "timed_under": "graphs" if graphed else "eager"})
         if verdict is not None:
             summary["graphs"] = verdict
     pack.deactivate()
