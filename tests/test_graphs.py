@@ -596,6 +596,38 @@ def test_prefill_capture_takes_the_eager_mask_shortcut(model_name, llama):
         assert all(m is not None for m in _attention_masks(masked))
 
 
+def test_the_mask_shortcut_is_confined_to_the_capturing_thread_and_undone():
+    """Serving code may capture in one thread while another runs transformers: only the capturing
+    thread sees the eager answers, and the originals come back when the last capture ends."""
+    import threading
+
+    from transformers import masking_utils
+    from transformers.utils import import_utils
+
+    originals = (masking_utils.is_tracing, masking_utils.find_packed_sequence_indices,
+                 import_utils.is_cuda_stream_capturing)
+    packed = torch.tensor([[0, 1, 2, 0, 1]])
+    seen = {}
+
+    def other_thread():
+        seen["other"] = masking_utils.find_packed_sequence_indices(packed)
+
+    with graphs._eager_mask_choice((), {"input_ids": packed}) as applied:
+        assert applied
+        assert masking_utils.find_packed_sequence_indices(packed) is None
+        worker = threading.Thread(target=other_thread)
+        worker.start()
+        worker.join()
+        with graphs._eager_mask_choice((), {"input_ids": packed}):  # a nested capture keeps the hooks
+            pass
+        assert masking_utils.find_packed_sequence_indices(packed) is None
+    assert seen["other"] is not None and seen["other"].tolist() == [[0, 0, 0, 1, 1]]
+    assert (masking_utils.is_tracing, masking_utils.find_packed_sequence_indices,
+            import_utils.is_cuda_stream_capturing) == originals
+    with graphs._eager_mask_choice((), {"input_ids": packed, "attention_mask": packed}) as applied:
+        assert not applied and masking_utils.find_packed_sequence_indices is originals[1]
+
+
 def test_llama_static_cache_decode_replays_one_graph_per_step(llama):
     cache, twin = static_cache(llama), static_cache(llama)
     run = graphs.GraphedForward(llama, **EMU)

@@ -17,6 +17,12 @@ streamed through shared memory by `cp.async` in a `stages`-deep pipeline (rows p
 zero-filled), warps arranged `wm` x (warps / `wm`), and the block's tile staged in shared memory
 and stored row by row with consecutive lanes on consecutive elements, so the unaligned rows are
 written coalesced. The cpu kernel is a plain loop with fp32 accumulation (correctness first).
+
+On Hopper, `gemm.mm_unaligned_wgmma` serves the same cards (K a multiple of 64) with the warpgroup
+MMA: per stage a 64-deep slice of both operands lands by `cp.async` in 128-byte-swizzled shared
+memory, one `wgmma` per 16 of depth reads it there through matrix descriptors, each warpgroup of
+128 threads owns 64 rows of the tile, and the epilogue is the same smem-staged coalesced store.
+GPT-2's LM head: 218 µs (362 TFLOP/s) at its default point, against 358 µs for WMMA.
 """
 
 from __future__ import annotations
@@ -238,8 +244,8 @@ WG_BK = 64  # one 128-byte swizzle row of fp16/bf16 per operand row
 
 class WgmmaTemplate(GemmTemplate):
     """The same product on Hopper's warpgroup MMA: operands read by the tensor cores straight from
-    128-byte-swizzled shared memory, which WMMA's register-fragment loads cannot match (WMMA reached
-    220 TFLOP/s on GPT-2's LM head)."""
+    128-byte-swizzled shared memory, which WMMA's register-fragment loads cannot match. The default
+    is the fastest point measured on GPT-2's LM head (128x128, 3 stages, two blocks per SM)."""
 
     def plan(self, card: Card, target: str):
         arch = default_arch()
@@ -254,7 +260,7 @@ class WgmmaTemplate(GemmTemplate):
         return {"tile": WG_TILES, "stages": WG_STAGES}
 
     def pick_default(self, plan, axes, target):
-        return {"tile": "128x256", "stages": 4}
+        return {"tile": "128x128", "stages": 3}
 
     def emit(self, card: Card, plan: GemmPlan, target: str, params: dict) -> str:
         return render_wgmma(card, plan, params)

@@ -828,6 +828,11 @@ _SHAPE_ONLY_MASK_KWARGS = frozenset({"input_ids", "inputs_embeds", "pixel_values
                                      "output_attentions", "output_hidden_states", "logits_to_keep"})
 
 
+_MASK_LOCK = threading.Lock()
+_MASK_THREADS: collections.Counter[int] = collections.Counter()  # thread -> captures using the mask choice
+_MASK_ORIGINALS: list[tuple[Any, str, Any]] = []  # (module, name, original) while any thread does
+
+
 @contextlib.contextmanager
 def _eager_mask_choice(args: tuple, kwargs: dict) -> Iterator[bool]:
     """Lets transformers choose the attention mask under capture as it does in eager mode.
@@ -835,32 +840,65 @@ def _eager_mask_choice(args: tuple, kwargs: dict) -> Iterator[bool]:
     In eager mode transformers checks on the host that no token is padded and that the positions it
     numbered are consecutive (not packed sequences), and then lets SDPA apply causality itself
     (`is_causal`, no mask). Under stream capture it cannot read the device, so it builds the full mask,
-    and every layer's SDPA converts it (a fill and a masked fill) and runs its slower masked kernel:
-    on GPT-2 (b4 s256, H200) 66 µs of conversions and 28 µs of attention per forward.
+    and every layer's SDPA converts it (two fills and a `where`) and runs its slower masked kernel:
+    on GPT-2 (b4 s256, H200) 66 µs of conversions and 30 µs of attention per forward.
     When the caller passes no mask, no positions and no cache (`_SHAPE_ONLY_MASK_KWARGS`), both checks
-    pass by construction: the positions are the model's own arange. Then, for the capture only, the
-    checks are answered as in eager mode (`is_tracing` ignores the capture, the packed-sequence probe
-    finds none), so the graph runs what an eager call runs. Yields whether it did."""
+    pass by construction: the positions are the model's own arange. Then, in this thread and for the
+    capture only, `masking_utils` is answered as in eager mode (its `is_tracing` does not count the
+    stream capture, the packed-sequence probe finds none), so the graph runs what an eager call runs.
+    Other threads, and transformers outside `masking_utils`, see no change. Yields whether it applied."""
     mu = sys.modules.get("transformers.masking_utils")
+    iu = sys.modules.get("transformers.utils.import_utils")
     shape_only = len(args) <= 1 and all(v is None or k in _SHAPE_ONLY_MASK_KWARGS for k, v in kwargs.items())
-    if mu is None or not shape_only or not all(hasattr(mu, n) for n in ("is_tracing", "find_packed_sequence_indices")):
+    hooks = (mu is not None and iu is not None and hasattr(iu, "is_cuda_stream_capturing")
+             and all(hasattr(mu, n) for n in ("is_tracing", "find_packed_sequence_indices")))
+    if not (shape_only and hooks):
         yield False
         return
-    real_tracing, real_packed = mu.is_tracing, mu.find_packed_sequence_indices
-
-    def is_tracing(tensor=None):
-        capturing = torch.cuda.is_current_stream_capturing
-        torch.cuda.is_current_stream_capturing = lambda: False
-        try:
-            return real_tracing(tensor)
-        finally:
-            torch.cuda.is_current_stream_capturing = capturing
-
-    mu.is_tracing, mu.find_packed_sequence_indices = is_tracing, lambda position_ids: None
+    me = threading.get_ident()
+    with _MASK_LOCK:
+        if not _MASK_THREADS:
+            _install_mask_hooks(mu, iu)
+        _MASK_THREADS[me] += 1
     try:
         yield True
     finally:
-        mu.is_tracing, mu.find_packed_sequence_indices = real_tracing, real_packed
+        with _MASK_LOCK:
+            _MASK_THREADS[me] -= 1
+            if not _MASK_THREADS[me]:
+                del _MASK_THREADS[me]
+            if not _MASK_THREADS:
+                for module, name, original in reversed(_MASK_ORIGINALS):
+                    setattr(module, name, original)
+                _MASK_ORIGINALS.clear()
+
+
+def _install_mask_hooks(mu: Any, iu: Any) -> None:
+    """Thread-aware stand-ins for the three transformers functions (held under `_MASK_LOCK`)."""
+    real_tracing, real_packed, real_capturing = (mu.is_tracing, mu.find_packed_sequence_indices,
+                                                 iu.is_cuda_stream_capturing)
+    hide = threading.local()
+
+    def is_cuda_stream_capturing():
+        return False if getattr(hide, "on", False) else real_capturing()
+
+    def is_tracing(tensor=None):
+        if threading.get_ident() not in _MASK_THREADS:
+            return real_tracing(tensor)
+        hide.on = True
+        try:
+            return real_tracing(tensor)
+        finally:
+            hide.on = False
+
+    def find_packed_sequence_indices(position_ids):
+        return None if threading.get_ident() in _MASK_THREADS else real_packed(position_ids)
+
+    for module, name, stand_in in ((iu, "is_cuda_stream_capturing", is_cuda_stream_capturing),
+                                   (mu, "is_tracing", is_tracing),
+                                   (mu, "find_packed_sequence_indices", find_packed_sequence_indices)):
+        _MASK_ORIGINALS.append((module, name, getattr(module, name)))
+        setattr(module, name, stand_in)
 
 
 def _first_line(err: BaseException) -> str:
