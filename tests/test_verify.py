@@ -47,6 +47,27 @@ def test_fp32_through_low_precision_fails_and_reordering_passes():
     assert verify.compare(ref.nextafter(torch.tensor(math.inf)), ref, "float32") is None  # one ulp
 
 
+def test_the_reference_sums_half_products_exactly_and_timing_does_not():
+    """cuBLAS may sum split-K partials of fp16/bf16 products in the half type, which made stock the less
+    accurate side on GPT-2's LM head at 64 rows: the reference forbids it, the timed stock op runs as
+    users run it."""
+    from forgepack.verify import strict_precision
+
+    matmul = torch.backends.cuda.matmul
+    saved = (matmul.allow_fp16_reduced_precision_reduction, matmul.allow_bf16_reduced_precision_reduction,
+             matmul.allow_tf32)
+    try:
+        strict_precision()
+        assert not matmul.allow_fp16_reduced_precision_reduction and not matmul.allow_bf16_reduced_precision_reduction
+        assert not matmul.allow_tf32
+        strict_precision(exact_sums=False)
+        assert matmul.allow_fp16_reduced_precision_reduction and matmul.allow_bf16_reduced_precision_reduction
+        assert not matmul.allow_tf32
+    finally:
+        (matmul.allow_fp16_reduced_precision_reduction, matmul.allow_bf16_reduced_precision_reduction,
+         matmul.allow_tf32) = saved
+
+
 def test_nan_and_inf_positions_must_match():
     ref = torch.tensor([1.0, math.nan, math.inf, -math.inf])
     assert verify.compare(ref.clone(), ref, "float32") is None

@@ -129,11 +129,23 @@ def compare(out: torch.Tensor, ref: torch.Tensor, tol: dict) -> tuple[str | None
     return None, err
 
 
-def _strict_precision() -> dict:
-    saved = {"matmul": torch.backends.cuda.matmul.allow_tf32, "cudnn": torch.backends.cudnn.allow_tf32}
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
+# The reference's precision, as the build's verifier had it: no TF32, and fp16/bf16 products summed in
+# fp32 (cuBLAS may otherwise reduce split-K partials in the half type, the less accurate side).
+_STRICT = ((torch.backends.cuda.matmul, "allow_tf32"), (torch.backends.cudnn, "allow_tf32"),
+           (torch.backends.cuda.matmul, "allow_fp16_reduced_precision_reduction"),
+           (torch.backends.cuda.matmul, "allow_bf16_reduced_precision_reduction"))
+
+
+def _strict_precision() -> list:
+    saved = [getattr(owner, name) for owner, name in _STRICT]
+    for owner, name in _STRICT:
+        setattr(owner, name, False)
     return saved
+
+
+def _restore_precision(saved: list) -> None:
+    for (owner, name), value in zip(_STRICT, saved, strict=True):
+        setattr(owner, name, value)
 
 
 def check_variant(pack, variant: dict, device: torch.device, seeds: int) -> tuple[str, int, float]:
@@ -182,8 +194,7 @@ def selftest(pack, seeds: int = FRESH_INPUTS, stream=None) -> int:
             failed += bool(problem)
             rows.append((v["id"], v.get("signature", ""), str(checked), f"{err:.2e}", problem or "ok"))
     finally:
-        torch.backends.cuda.matmul.allow_tf32 = saved["matmul"]
-        torch.backends.cudnn.allow_tf32 = saved["cudnn"]
+        _restore_precision(saved)
         pack.deactivate()
     _table(("variant", "signature", "inputs", "max abs err", "result"), rows, stream)
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
