@@ -6,7 +6,8 @@ random per evaluation, so no kernel can know them in advance):
 
 1. Inputs are placed in guarded buffers (guard zones before and after the storage window) and a copy
    of every buffer is kept. The reference is the stock op, computed before the kernel runs, with TF32
-   off, and kept alive (a kernel cannot find it in freed memory).
+   off and fp16/bf16 products summed in fp32, and kept alive (a kernel cannot find it in freed
+   memory).
 2. Three runs, each into new output buffers that hold the card's exact layout inside a larger buffer,
    every byte poisoned first with a run-specific pattern (NaN payloads for floats, sentinels for ints):
    canary zones and stride gaps must keep the poison (else "wrote outside its output"); no element of
