@@ -569,6 +569,26 @@ def _attention_masks(run: graphs.GraphedForward) -> list:
     return masks
 
 
+def test_an_encoder_capture_takes_the_eager_mask_shortcut_too():
+    """ViT: under capture transformers 5.17 (the GPU image) expands an all-true bidirectional mask whose
+    last dim has stride 0, which no fused SDPA kernel accepts (session 4 measured every backend falling
+    back to math). With only pixel values from the caller, the capture passes no mask, as eager does.
+    transformers 5.24 skips that mask under capture on its own; the replay must match eager on both."""
+    from transformers import ViTConfig, ViTForImageClassification
+
+    model = ViTForImageClassification(ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                                intermediate_size=64, image_size=32, patch_size=8,
+                                                attn_implementation="sdpa")).eval()
+    pixels = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        run = graphs.GraphedForward(model, **EMU)
+        for _ in range(3):
+            out = run(pixel_values=pixels)
+        assert torch.allclose(out.logits, model(pixel_values=pixels).logits, atol=1e-5)
+        masks = _attention_masks(run)
+        assert masks and all(m is None for m in masks), [None if m is None else m.stride() for m in masks]
+
+
 @pytest.mark.parametrize("model_name", ["llama", "gpt2"])
 def test_prefill_capture_takes_the_eager_mask_shortcut(model_name, llama):
     """Under capture transformers cannot check on the host that nothing is padded or packed, so it
