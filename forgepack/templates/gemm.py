@@ -114,6 +114,18 @@ static void fp_gemm(const {t}* a, const {t}* b, {t}* c) {{
     return prelude("cpu") + loop + entry(card, "cpu", body)
 
 
+def _launch(t: str, smem: int, grid_m: int, grid_n: int, threads: int, check: str = "") -> str:
+    """The entry's body for both GEMM kernels: operand alignment, `check` (more refusals), the shared
+    memory opt-in, the launch."""
+    return f"""const {t}* a = (const {t}*)call->inputs[0].data;
+  const {t}* w = (const {t}*)call->inputs[1].data;
+  if (!({align_check([("a", 16), ("w", 16)])})) return FP_ERR_UNSUPPORTED;
+  {check}cudaError_t err = cudaFuncSetAttribute(fp_gemm, cudaFuncAttributeMaxDynamicSharedMemorySize, {smem});
+  if (err != cudaSuccess) return (int32_t)err;
+  fp_gemm<<<dim3({grid_m}u, {grid_n}u), {threads}, {smem}, stream>>>(a, w, ({t}*)call->outputs[0].data);
+  {launch_status("cuda")}"""
+
+
 def render_cuda(card: Card, plan: GemmPlan, params: dict) -> str:
     bm, bn = (int(x) for x in params["tile"].split("x"))
     bk, stages, wm = params["bk"], params["stages"], params["wm"]
@@ -225,14 +237,7 @@ __global__ void __launch_bounds__({threads}) fp_gemm(const {t}* __restrict__ a, 
   }}
 }}
 """
-    body = f"""const {t}* a = (const {t}*)call->inputs[0].data;
-  const {t}* w = (const {t}*)call->inputs[1].data;
-  if (!({align_check([("a", 16), ("w", 16)])})) return FP_ERR_UNSUPPORTED;
-  cudaError_t err = cudaFuncSetAttribute(fp_gemm, cudaFuncAttributeMaxDynamicSharedMemorySize, {smem});
-  if (err != cudaSuccess) return (int32_t)err;
-  fp_gemm<<<dim3({grid_m}u, {grid_n}u), {threads}, {smem}, stream>>>(a, w, ({t}*)call->outputs[0].data);
-  {launch_status("cuda")}"""
-    return prelude("cuda") + kernel + entry(card, "cuda", body)
+    return prelude("cuda") + kernel + entry(card, "cuda", _launch(t, smem, grid_m, grid_n, threads))
 
 
 # --- Hopper: warpgroup MMA (wgmma) ------------------------------------------------------------------
@@ -416,17 +421,12 @@ __global__ void __launch_bounds__({threads}, {blocks}) fp_gemm(const {t}* __rest
 #endif  // built without sm_90a's features the kernel writes nothing, and verification rejects it
 }}
 """
-    body = f"""const {t}* a = (const {t}*)call->inputs[0].data;
-  const {t}* w = (const {t}*)call->inputs[1].data;
-  if (!({align_check([("a", 16), ("w", 16)])})) return FP_ERR_UNSUPPORTED;
-  int dev = 0, major = 0;
+    # The sm_90a kernel runs only on compute capability 9: elsewhere the call falls back.
+    hopper = """int dev = 0, major = 0;
   if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev)
       != cudaSuccess || major != 9) return FP_ERR_UNSUPPORTED;
-  cudaError_t err = cudaFuncSetAttribute(fp_gemm, cudaFuncAttributeMaxDynamicSharedMemorySize, {smem});
-  if (err != cudaSuccess) return (int32_t)err;
-  fp_gemm<<<dim3({grid_m}u, {grid_n}u), {threads}, {smem}, stream>>>(a, w, ({t}*)call->outputs[0].data);
-  {launch_status("cuda")}"""
-    return prelude("cuda") + kernel + entry(card, "cuda", body)
+  """
+    return prelude("cuda") + kernel + entry(card, "cuda", _launch(t, smem, grid_m, grid_n, threads, hopper))
 
 
 TEMPLATES = (
