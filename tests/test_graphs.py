@@ -669,6 +669,112 @@ def test_llama_static_cache_decode_replays_one_graph_per_step(llama):
     assert stats["captures"] == 1 and stats["replays"] == 7 - 2 and stats["graphs"] == 1
 
 
+def _captured_calls(run: graphs.GraphedForward, name: str) -> list:
+    """(args, kwargs) of every aten call named `name` in the captured (emulated) graphs."""
+    return [(args, kwargs) for entry, _ in run._cache._entries.values()
+            for func, args, kwargs, _ in entry.captured.handle.calls if func._schema.name == f"aten::{name}"]
+
+
+def _decode(model, cache, twin, steps: int = 5) -> graphs.GraphedForward:
+    """A prefill then `steps` graphed decode steps, each checked against eager on `twin`."""
+    run = graphs.GraphedForward(model, **EMU)
+    key = graphs.cache_kwarg(model)
+    with torch.no_grad():
+        prompt = torch.randint(0, 256, (1, 7))
+        model(input_ids=prompt, use_cache=True, **{key: cache})
+        model(input_ids=prompt, use_cache=True, **{key: twin})
+        token = torch.randint(0, 256, (1, 1))
+        for step in range(steps):
+            out = run(**graphs.decode_kwargs(model, token, cache, position=7 + step))
+            ref = model(**graphs.decode_kwargs(model, token, twin, position=7 + step))
+            assert torch.allclose(out.logits, ref.logits, atol=1e-5), step
+            token = ref.logits[:, -1:].argmax(-1)
+    assert run.stats()["replays"] == steps - 2
+    return run
+
+
+def test_decode_capture_converts_the_mask_once_and_copies_no_head(llama):
+    """transformers 5.17 copies each layer's key/value heads per query group and SDPA converts the
+    boolean cache mask in every layer. The captured decode step converts the mask once and runs each
+    layer's attention with the group's query heads as query rows: no head copies, one conversion."""
+    run = _decode(llama, static_cache(llama), static_cache(llama))
+    sdpa = _captured_calls(run, "_scaled_dot_product_flash_attention_for_cpu") or _captured_calls(
+        run, "_scaled_dot_product_attention_math")
+    layers = llama.config.num_hidden_layers
+    assert len(sdpa) == layers
+    for args, _ in sdpa:
+        query, key = args[0], args[1]
+        assert query.shape[1:3] == (2, 2) and key.shape[1] == 2  # 4 heads over 2 key/value heads, no copies
+    assert len(_captured_calls(run, "masked_fill_")) == 1  # once, not once per layer
+    assert not _captured_calls(run, "expand") or all(  # repeat_kv's expand of the cache is gone
+        a[0].dim() != 5 for a, _ in _captured_calls(run, "expand"))
+
+
+def test_decode_route_leaves_eager_other_threads_and_prefill_to_transformers(llama):
+    """The route answers only the capturing thread's one-token calls; eager calls, other threads and
+    prefill (several query tokens) run transformers' own function, which comes back after the capture."""
+    import threading
+
+    from transformers.modeling_utils import AttentionInterface
+
+    original = AttentionInterface._global_mapping["sdpa"]
+    calls = collections.Counter()
+
+    def counting(*args, **kwargs):
+        calls[threading.get_ident()] += 1
+        return original(*args, **kwargs)
+
+    AttentionInterface._global_mapping["sdpa"] = counting
+    try:
+        q, k = torch.randn(1, 4, 1, 8), torch.randn(1, 2, 5, 8)
+        module = types_module(num_key_value_groups=2)
+        with graphs._decode_attention_route() as applied:
+            assert applied
+            routed = AttentionInterface._global_mapping["sdpa"]
+            out, _ = routed(module, q, k, k, None, scaling=0.5)
+            assert calls[threading.get_ident()] == 0  # one token: the route
+            ref, _ = counting(module, q, k, k, None, scaling=0.5)
+            assert out.shape == ref.shape == (1, 1, 4, 8) and torch.allclose(out, ref, atol=1e-6)
+            routed(module, torch.randn(1, 4, 3, 8), k, k, None)  # three tokens: transformers
+            assert calls[threading.get_ident()] == 2
+            worker = threading.Thread(target=lambda: routed(module, q, k, k, None))
+            worker.start()
+            worker.join()
+            assert calls[worker.ident] == 1
+        assert AttentionInterface._global_mapping["sdpa"] is counting
+    finally:
+        AttentionInterface._global_mapping["sdpa"] = original
+
+
+def types_module(**attrs):
+    import types
+
+    return types.SimpleNamespace(**attrs)
+
+
+@pytest.mark.parametrize("heads,kv_heads,mask", [(4, 2, "bool"), (4, 4, "bool"), (8, 2, "per-head"),
+                                                   (4, 1, "float"), (4, 2, None)])
+def test_decode_route_matches_transformers_attention(heads, kv_heads, mask):
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    torch.manual_seed(0)
+    b, length, dim = 2, 9, 16
+    q = torch.randn(b, heads, 1, dim)
+    k, v = torch.randn(b, kv_heads, length, dim), torch.randn(b, kv_heads, length, dim)
+    keep = torch.rand(b, 1 if mask != "per-head" else heads, 1, length) > 0.4
+    keep[..., 0] = True
+    m = {None: None, "bool": keep, "per-head": keep,
+         "float": torch.zeros(keep.shape).masked_fill(~keep, float("-inf"))}[mask]
+    module = types_module(num_key_value_groups=heads // kv_heads, is_causal=True)
+    ref, _ = sdpa_attention_forward(module, q, k, v, m, dropout=0.0, scaling=0.25)
+    with graphs._decode_attention_route():
+        from transformers.modeling_utils import AttentionInterface
+
+        out, _ = AttentionInterface._global_mapping["sdpa"](module, q, k, v, m, dropout=0.0, scaling=0.25)
+    assert out.shape == ref.shape and out.is_contiguous()
+    assert torch.allclose(out, ref, atol=1e-6), (out - ref).abs().max()
+
+
 def test_gate_style_verification_on_a_loaded_decode_recipe():
     from forgepack import models, recipe
 
@@ -856,6 +962,29 @@ def test_gpu_static_cache_decode_replays_with_advancing_positions(cuda_llama):
     assert int(cache.layers[0].cumulative_length) == 19
     stats = run.stats()
     assert stats["captures"] == 1 and stats["replays"] == 8 and stats["fallbacks"] == 0, stats
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_gpu_decode_route_matches_transformers_attention(dtype):
+    """Llama-1B's attention shapes on the GPU, a static cache's boolean mask: the route (mask converted
+    once, the group's query heads as query rows) against transformers' own function (repeated heads,
+    SDPA's conversion). Rows with an unmasked position must agree to the last bit in practice; the
+    bound asked here is the replay check's."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.modeling_utils import AttentionInterface
+
+    torch.manual_seed(0)
+    q = torch.randn(1, 32, 1, 64, device="cuda", dtype=dtype)
+    k, v = (torch.randn(1, 8, 512, 64, device="cuda", dtype=dtype) for _ in range(2))
+    keep = (torch.arange(512, device="cuda") <= 300).view(1, 1, 1, 512)
+    module = types_module(num_key_value_groups=4, is_causal=True)
+    with torch.no_grad():
+        ref, _ = sdpa_attention_forward(module, q, k, v, keep, dropout=0.0, scaling=0.125)
+        with graphs._decode_attention_route():
+            out, _ = AttentionInterface._global_mapping["sdpa"](module, q, k, v, keep, dropout=0.0, scaling=0.125)
+    rtol, atol = graphs.DEFAULT_TOLERANCES[dtype]
+    assert out.shape == ref.shape and torch.allclose(out, ref, rtol=rtol / 10, atol=atol / 10), (out - ref).abs().max()
 
 
 @pytest.mark.gpu

@@ -11,7 +11,8 @@ from pack_kernels import KERNELS, SLOW_MUL, WRONG_SILU, add_unchecked, find_card
 
 from forgepack.pack import build_pack
 from forgepack.pack import manifest as manifest_mod
-from forgepack.pack.gate import Timing, decide_pay, decide_use, eager_because, greedy_agree
+from forgepack.pack.gate import Timing, decide_pay, decide_use, eager_because, graph_breakers, greedy_agree
+from forgepack.pack.runtime import graphs
 
 # --- the decisions, from measurements -------------------------------------------------------------------------
 
@@ -39,6 +40,40 @@ def test_kernels_judged_in_eager_mode_say_why():
         "in eager mode (graph replay with every kernel: replay differs from eager in logits: 3e-1 at [0, 5])")
     timing = "graph capture failed while timing: {'without:a': 'operation not permitted'}"
     assert eager_because({"enabled": True, "reason": "matched"}, timing) == f"in eager mode ({timing})"
+
+
+class _Switched(torch.nn.Module):
+    """A forward whose features are switched on by id, as the gate switches kernels: "scale" is pure,
+    "tally" keeps Python-side state that a graph replay cannot see (it computes differently replayed)."""
+
+    def __init__(self, ids: set[str]):
+        super().__init__()
+        self.ids, self.calls = ids, 0
+
+    def forward(self, x):
+        y = x * 2 if "scale" in self.ids else x + 1
+        if "tally" in self.ids:
+            self.calls += 1
+            y = y + self.calls
+        return y
+
+
+def _replay_check(broken_stock: bool = False):
+    def check(ids: set[str]) -> dict:
+        module = _Switched(ids | ({"tally"} if broken_stock else set()))
+        ok, reason = graphs.verify_replay(module, lambda step: (torch.randn(4),), backend="emulate")
+        return {"enabled": ok, "reason": reason}
+    return check
+
+
+def test_a_kernel_that_breaks_graph_replay_alone_is_named():
+    """Replay with every kernel fails: the kernel that fails alone is named (and dropped by the gate),
+    the others stay to be judged under replay. When stock itself fails, no kernel is blamed."""
+    check = _replay_check()
+    assert not check({"scale", "tally"})["enabled"]
+    found = graph_breakers(check, ["scale", "tally"])
+    assert list(found) == ["tally"] and "step" in found["tally"]
+    assert graph_breakers(_replay_check(broken_stock=True), ["scale", "tally"]) == {}
 
 
 def test_an_unused_kernel_is_dropped():

@@ -13,7 +13,9 @@ Run in a subprocess (`python -m forgepack.pack.gate`), so the build process neve
    dropped: on a launch-bound model, a kernel faster in isolation can be slower end to end. On CUDA,
    when the forward replays correctly from a CUDA graph with the kernels active (`check_graphs`),
    every configuration is timed under graph replay, each from its own graph: that is how such a
-   model is served, and in eager mode launch overhead hides the GPU time a kernel saves.
+   model is served, and in eager mode launch overhead hides the GPU time a kernel saves. When replay
+   with every kernel fails but stock replays, a kernel whose replay differs from eager on its own is
+   dropped (`graph_breakers`), and the rest are judged under graph replay.
 
 `decide` (pure) turns the measurements into keep/drop decisions with reasons; the parent
 (`forgepack.pack.builder`) rebuilds the pack from what is kept and runs mode "verify" on it.
@@ -30,6 +32,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -212,6 +215,22 @@ def check_graphs(lm, pack, ids: set[str]) -> dict[str, Any]:
     return {"enabled": bool(ok), "reason": reason}
 
 
+def graph_breakers(check: Callable[[set[str]], dict[str, Any]], ids: list[str]) -> dict[str, str]:
+    """The kernels that on their own make graph replay differ from eager: {id: check's reason}.
+
+    Asked when replay with every kernel fails. Empty when replay fails with no kernel at all (the model
+    is not replayable: no kernel is to blame) or when no kernel fails alone (then they fail together,
+    and the gate judges them in eager mode as before)."""
+    if not check(set())["enabled"]:
+        return {}
+    found = {}
+    for vid in ids:
+        verdict = check({vid})
+        if not verdict["enabled"]:
+            found[vid] = verdict["reason"]
+    return found
+
+
 def count_hits(lm, pack, ids: list[str]) -> dict[str, int]:
     pack.activate(strict=True)
     pack.enable_only(set(ids))
@@ -336,9 +355,15 @@ def evaluate(lm, pack, mode: str, rounds: int = ROUNDS, reps: int = REPS) -> Gat
     # how a launch-bound model should be served (activate(graphs=True)), and in eager mode launch
     # overhead hides every microsecond of GPU time a kernel saves (MEASUREMENTS.md).
     verdict = check_graphs(lm, pack, set(keep)) if keep and lm.device.type == "cuda" else None
-    graphed = bool(verdict and verdict["enabled"])
-    if verdict is not None and not graphed:
+    if verdict is not None and not verdict["enabled"]:
         summary["graphs_first"] = verdict  # kept: the final verdict may be for fewer kernels
+        # A kernel that computes differently under replay must not serve graph mode; the others
+        # are then judged as they will run.
+        breakers = graph_breakers(lambda only: check_graphs(lm, pack, only), keep)
+        dropped.update({i: f"graph replay differs from eager with it alone: {why}" for i, why in breakers.items()})
+        keep = [i for i in keep if i not in breakers]
+        verdict = check_graphs(lm, pack, set(keep)) if breakers and keep else verdict
+    graphed = bool(verdict and verdict["enabled"])
     if mode == "full" and keep:
         configs = {"stock": None, "pack": set(keep), **{f"without:{i}": set(keep) - {i} for i in keep}}
         timing, graphed, failure = measure_best(lm, pack, configs, rounds, reps, 0, graphed)

@@ -914,6 +914,125 @@ def _install_mask_hooks(mu: Any, iu: Any) -> None:
         setattr(module, name, stand_in)
 
 
+# --- decode attention under capture ------------------------------------------------------------------
+#
+# A static-cache decode step calls transformers' `sdpa_attention_forward` once per layer with one query
+# token and a boolean mask over the whole cache. Each call then (transformers 5.17) copies the key and
+# value heads `num_key_value_groups` times (`repeat_kv`) and SDPA converts the boolean mask to an
+# additive one (two fills and a `where`): on Llama-1B decode (H200) 48 mask kernels and 32 head copies a
+# step, a third of its non-GEMM kernels. For the capture of such a step, and only in the capturing
+# thread, the "sdpa" entry of transformers' attention registry is answered by `_routed_sdpa`: the mask is
+# converted once per forward and shared by every layer, and the query heads of a key/value group become
+# the query rows of that group (what transformers 5.24 does in eager decode as `pack_gqa`), so no head is
+# copied. Calls it does not cover (more than one query token, dropout, position bias, softcap, attention
+# weights asked for, masks of other shapes) go to transformers' own function. Verification compares the
+# replay with eager, which takes transformers' route.
+
+_ROUTE_LOCK = threading.Lock()
+_ROUTE_THREADS: collections.Counter[int] = collections.Counter()  # thread -> captures taking the route
+_ROUTE_ORIGINAL: list[tuple[dict, Any]] = []  # (registry mapping, transformers' function) while installed
+_ROUTE_LOCAL = threading.local()  # .masks: {id(bool mask): (mask, version, additive)} for this capture
+# The additive value of a masked position: what SDPA's cuDNN path uses for half types (finite, so an
+# all-masked row cannot turn into NaN), and SDPA's own -inf otherwise. A row with an unmasked position
+# comes out the same with either: the masked terms' exponentials are exactly zero.
+_MASKED = {torch.float16: -65504.0, torch.bfloat16: -65504.0}
+
+
+def _sdpa_registry() -> dict | None:
+    mu = sys.modules.get("transformers.modeling_utils")
+    mapping = getattr(getattr(mu, "AttentionInterface", None), "_global_mapping", None)
+    return mapping if isinstance(mapping, dict) and callable(mapping.get("sdpa")) else None
+
+
+@contextlib.contextmanager
+def _decode_attention_route() -> Iterator[bool]:
+    """For the capture inside, this thread's transformers SDPA calls of one query token take
+    `_routed_sdpa`. Yields whether the route is installed (transformers loaded with an "sdpa" entry)."""
+    mapping = _sdpa_registry()
+    if mapping is None:
+        yield False
+        return
+    me = threading.get_ident()
+    with _ROUTE_LOCK:
+        if not _ROUTE_THREADS:
+            _ROUTE_ORIGINAL.append((mapping, mapping["sdpa"]))
+            mapping["sdpa"] = _routed_sdpa(mapping["sdpa"])
+        _ROUTE_THREADS[me] += 1
+    outer = getattr(_ROUTE_LOCAL, "masks", None)
+    _ROUTE_LOCAL.masks = {}
+    try:
+        yield True
+    finally:
+        _ROUTE_LOCAL.masks = outer
+        with _ROUTE_LOCK:
+            _ROUTE_THREADS[me] -= 1
+            if not _ROUTE_THREADS[me]:
+                del _ROUTE_THREADS[me]
+            if not _ROUTE_THREADS:
+                for registry, original in _ROUTE_ORIGINAL:
+                    registry["sdpa"] = original
+                _ROUTE_ORIGINAL.clear()
+
+
+def _routed_sdpa(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def sdpa_attention_forward(module, query, key, value, attention_mask, *args, **kwargs):
+        masks = getattr(_ROUTE_LOCAL, "masks", None)
+        if masks is None or args or not _route_covers(module, query, key, value, attention_mask, kwargs):
+            return original(module, query, key, value, attention_mask, *args, **kwargs)
+        return _decode_attention(query, key, value, _additive_mask(masks, attention_mask, query.dtype),
+                                 kwargs.get("scaling")), None
+
+    return sdpa_attention_forward
+
+
+def _route_covers(module, query, key, value, mask, kwargs: dict) -> bool:
+    """One query token, plain attention (what transformers' function computes for it, and nothing it
+    would treat specially), query heads a multiple of the key/value heads as the module declares."""
+    if kwargs.get("dropout") or kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None \
+            or kwargs.get("output_attentions"):
+        return False
+    if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (query, key, value)):
+        return False
+    (b, heads, n, dim), kv_heads = query.shape, key.shape[1]
+    if n != 1 or query.device.type not in ("cuda", "cpu") or key.shape[0] != b or value.shape[:3] != key.shape[:3] \
+            or key.shape[-1] != dim or value.shape[-1] != dim or heads % kv_heads:
+        return False
+    if heads != kv_heads and getattr(module, "num_key_value_groups", None) != heads // kv_heads:
+        return False
+    if mask is None:
+        return True
+    return (isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.shape[2] == 1 and mask.shape[0] in (1, b)
+            and mask.shape[1] in (1, heads) and mask.shape[3] == key.shape[2]
+            and mask.dtype in (torch.bool, query.dtype))
+
+
+def _additive_mask(masks: dict, mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """A boolean mask as SDPA would convert it, converted once per capture (every layer gets the same
+    mask object from the model); other masks as they are."""
+    if mask is None or mask.dtype != torch.bool:
+        return mask
+    hit = masks.get(id(mask))
+    if hit is not None and hit[0] is mask and hit[1] == mask._version:
+        return hit[2]
+    masked = _MASKED.get(dtype, float("-inf"))
+    additive = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(mask.logical_not(), masked)
+    masks[id(mask)] = (mask, mask._version, additive)  # holds the mask: its id stays its own
+    return additive
+
+
+def _decode_attention(query, key, value, mask, scale) -> torch.Tensor:
+    """Attention of one query token per head, the heads of a key/value group as that group's query rows;
+    returned as transformers returns it: (batch, 1, heads, dim), contiguous."""
+    b, heads, _, dim = query.shape
+    kv_heads = key.shape[1]
+    q = query.reshape(b, kv_heads, heads // kv_heads, dim)
+    if mask is not None and mask.shape[1] == heads:
+        mask = mask.reshape(mask.shape[0], kv_heads, heads // kv_heads, mask.shape[3])
+    out = torch.nn.functional.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scale)
+    return out.reshape(b, 1, heads, dim).contiguous()
+
+
 def _first_line(err: BaseException) -> str:
     text = str(err).strip().splitlines()
     return f"{type(err).__name__}: {text[0] if text else ''}"[:300]
@@ -1081,7 +1200,7 @@ class GraphedForward:
         static_args = tuple(_rebuild(v, buffers) for v in args)
         static_kwargs = {k: _rebuild(v, buffers) for k, v in kwargs.items()}
         try:
-            with _eager_mask_choice(static_args, static_kwargs):
+            with _eager_mask_choice(static_args, static_kwargs), _decode_attention_route():
                 captured = self._backend.capture(self.fn, static_args, static_kwargs, device)
         except Exception as err:
             raise _CaptureFailed(f"capture failed: {_first_line(err)}") from err
