@@ -540,6 +540,20 @@ def test_mismatch_reports_where():
     assert graphs.tensor_mismatch(torch.tensor([1.0]), torch.tensor([1.0 + 1e-6])) == ""
 
 
+def test_scale_relative_tolerance_is_the_gate_s_model_tolerance():
+    """`scale_rtol`: the largest difference over the largest magnitude, as the gate compares a model's
+    outputs; a few ulps of bf16 logits pass, a stale or wrong value does not, Inf must match."""
+    e = torch.tensor([4.0, -3.0, 0.01, 2.0]).bfloat16()
+    g = e.clone()
+    g[2] += 0.125  # far outside elementwise allclose at 0.01, 3% of the scale
+    assert graphs.tensor_mismatch(e, g) and not graphs.tensor_mismatch(e, g, scale_rtol=5e-2)
+    g[0] = -4.0
+    assert "of its scale" in graphs.tensor_mismatch(e, g, scale_rtol=5e-2)
+    inf = torch.tensor([float("-inf"), 1.0])
+    assert "Inf" in graphs.tensor_mismatch(inf, torch.tensor([-1e30, 1.0]), scale_rtol=5e-2)
+    assert graphs.outputs_mismatch({"x": e}, {"x": e.clone()}, scale_rtol=5e-2) == ""
+
+
 # --- a real transformers model -----------------------------------------------------------------------
 
 
@@ -693,57 +707,63 @@ def _decode(model, cache, twin, steps: int = 5) -> graphs.GraphedForward:
     return run
 
 
-def test_decode_capture_converts_the_mask_once_and_copies_no_head(llama):
-    """transformers 5.17 copies each layer's key/value heads per query group and SDPA converts the
-    boolean cache mask in every layer. The captured decode step converts the mask once and runs each
-    layer's attention with the group's query heads as query rows: no head copies, one conversion."""
+def test_decode_capture_converts_the_mask_once(llama):
+    """A static cache's decode step builds one boolean mask that every layer's SDPA would convert. The
+    captured step converts it once and every layer's attention gets that one additive mask."""
     run = _decode(llama, static_cache(llama), static_cache(llama))
-    sdpa = _captured_calls(run, "_scaled_dot_product_flash_attention_for_cpu") or _captured_calls(
-        run, "_scaled_dot_product_attention_math")
-    layers = llama.config.num_hidden_layers
-    assert len(sdpa) == layers
-    for args, _ in sdpa:
-        query, key = args[0], args[1]
-        assert query.shape[1:3] == (2, 2) and key.shape[1] == 2  # 4 heads over 2 key/value heads, no copies
+    sdpa = [c for name in ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_attention_math")
+            for c in _captured_calls(run, name)]
+    assert len(sdpa) == llama.config.num_hidden_layers
+    masks = {id(kwargs.get("attn_mask", args[3] if len(args) > 3 else None)) for args, kwargs in sdpa}
+    mask = sdpa[0][1].get("attn_mask", sdpa[0][0][3] if len(sdpa[0][0]) > 3 else None)
+    assert len(masks) == 1 and mask is not None and mask.dtype == torch.float32
     assert len(_captured_calls(run, "masked_fill_")) == 1  # once, not once per layer
-    assert not _captured_calls(run, "expand") or all(  # repeat_kv's expand of the cache is gone
-        a[0].dim() != 5 for a, _ in _captured_calls(run, "expand"))
 
 
-def test_decode_route_leaves_eager_other_threads_and_prefill_to_transformers(llama):
-    """The route answers only the capturing thread's one-token calls; eager calls, other threads and
-    prefill (several query tokens) run transformers' own function, which comes back after the capture."""
+def _attention_args(original):
+    """A stand-in for transformers' registered function that records the mask it is handed."""
+    import threading
+
+    seen = []
+
+    def record(module, query, key, value, attention_mask, *args, **kwargs):
+        seen.append((threading.get_ident(), attention_mask))
+        return original(module, query, key, value, attention_mask, *args, **kwargs)
+
+    return record, seen
+
+
+def test_one_conversion_is_confined_to_the_capturing_thread_and_undone(llama):
+    """Only the capturing thread's calls get the converted mask, the same tensor for every call with
+    the same mask; other threads, calls with a position bias and calls after the capture get theirs."""
     import threading
 
     from transformers.modeling_utils import AttentionInterface
 
     original = AttentionInterface._global_mapping["sdpa"]
-    calls = collections.Counter()
-
-    def counting(*args, **kwargs):
-        calls[threading.get_ident()] += 1
-        return original(*args, **kwargs)
-
-    AttentionInterface._global_mapping["sdpa"] = counting
+    record, seen = _attention_args(original)
+    AttentionInterface._global_mapping["sdpa"] = record
+    q, k = torch.randn(1, 4, 1, 8), torch.randn(1, 2, 5, 8)
+    keep = torch.tensor([True, True, True, False, False]).view(1, 1, 1, 5)
+    module = types_module(num_key_value_groups=2, is_causal=True)
     try:
-        q, k = torch.randn(1, 4, 1, 8), torch.randn(1, 2, 5, 8)
-        module = types_module(num_key_value_groups=2)
-        with graphs._decode_attention_route() as applied:
+        with graphs._mask_once() as applied:
             assert applied
             routed = AttentionInterface._global_mapping["sdpa"]
-            out, _ = routed(module, q, k, k, None, scaling=0.5)
-            assert calls[threading.get_ident()] == 0  # one token: the route
-            ref, _ = counting(module, q, k, k, None, scaling=0.5)
-            assert out.shape == ref.shape == (1, 1, 4, 8) and torch.allclose(out, ref, atol=1e-6)
-            routed(module, torch.randn(1, 4, 3, 8), k, k, None)  # three tokens: transformers
-            assert calls[threading.get_ident()] == 2
-            worker = threading.Thread(target=lambda: routed(module, q, k, k, None))
+            routed(module, q, k, k, keep, scaling=0.5)
+            routed(module, q, k, k, keep, scaling=0.5)
+            worker = threading.Thread(target=lambda: routed(module, q, k, k, keep))
             worker.start()
             worker.join()
-            assert calls[worker.ident] == 1
-        assert AttentionInterface._global_mapping["sdpa"] is counting
+            routed(module, q, k, k, keep, position_bias=torch.zeros(1, 4, 1, 5))
+        assert AttentionInterface._global_mapping["sdpa"] is record
+        record(module, q, k, k, keep)
     finally:
         AttentionInterface._global_mapping["sdpa"] = original
+    (_, first), (_, second), (other, third), (_, biased), (_, after) = seen
+    assert first.dtype == torch.float32 and second is first
+    assert first[0, 0, 0].tolist() == [0.0, 0.0, 0.0, float("-inf"), float("-inf")]
+    assert other == worker.ident and third is keep and biased is keep and after is keep
 
 
 def types_module(**attrs):
@@ -752,27 +772,22 @@ def types_module(**attrs):
     return types.SimpleNamespace(**attrs)
 
 
-@pytest.mark.parametrize("heads,kv_heads,mask", [(4, 2, "bool"), (4, 4, "bool"), (8, 2, "per-head"),
-                                                   (4, 1, "float"), (4, 2, None)])
-def test_decode_route_matches_transformers_attention(heads, kv_heads, mask):
+@pytest.mark.parametrize("heads,kv_heads,per_head", [(4, 2, False), (4, 4, False), (8, 2, True), (4, 1, False)])
+def test_one_conversion_matches_sdpa_on_a_boolean_mask(heads, kv_heads, per_head):
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.modeling_utils import AttentionInterface
 
     torch.manual_seed(0)
     b, length, dim = 2, 9, 16
     q = torch.randn(b, heads, 1, dim)
     k, v = torch.randn(b, kv_heads, length, dim), torch.randn(b, kv_heads, length, dim)
-    keep = torch.rand(b, 1 if mask != "per-head" else heads, 1, length) > 0.4
+    keep = torch.rand(b, heads if per_head else 1, 1, length) > 0.4
     keep[..., 0] = True
-    m = {None: None, "bool": keep, "per-head": keep,
-         "float": torch.zeros(keep.shape).masked_fill(~keep, float("-inf"))}[mask]
     module = types_module(num_key_value_groups=heads // kv_heads, is_causal=True)
-    ref, _ = sdpa_attention_forward(module, q, k, v, m, dropout=0.0, scaling=0.25)
-    with graphs._decode_attention_route():
-        from transformers.modeling_utils import AttentionInterface
-
-        out, _ = AttentionInterface._global_mapping["sdpa"](module, q, k, v, m, dropout=0.0, scaling=0.25)
-    assert out.shape == ref.shape and out.is_contiguous()
-    assert torch.allclose(out, ref, atol=1e-6), (out - ref).abs().max()
+    ref, _ = sdpa_attention_forward(module, q, k, v, keep, dropout=0.0, scaling=0.25)
+    with graphs._mask_once():
+        out, _ = AttentionInterface._global_mapping["sdpa"](module, q, k, v, keep, dropout=0.0, scaling=0.25)
+    assert out.shape == ref.shape and torch.allclose(out, ref, atol=1e-6), (out - ref).abs().max()
 
 
 def test_gate_style_verification_on_a_loaded_decode_recipe():
@@ -966,11 +981,10 @@ def test_gpu_static_cache_decode_replays_with_advancing_positions(cuda_llama):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_gpu_decode_route_matches_transformers_attention(dtype):
-    """Llama-1B's attention shapes on the GPU, a static cache's boolean mask: the route (mask converted
-    once, the group's query heads as query rows) against transformers' own function (repeated heads,
-    SDPA's conversion). Rows with an unmasked position must agree to the last bit in practice; the
-    bound asked here is the replay check's."""
+def test_gpu_one_conversion_matches_sdpa_on_a_boolean_mask(dtype):
+    """Llama-1B's decode attention on the GPU (32 heads over 8, a 512-long static cache's boolean
+    mask): transformers' function with the mask converted once gives what it gives with SDPA
+    converting it, to the bit (the masked terms' exponentials are zero either way)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.modeling_utils import AttentionInterface
 
@@ -981,10 +995,9 @@ def test_gpu_decode_route_matches_transformers_attention(dtype):
     module = types_module(num_key_value_groups=4, is_causal=True)
     with torch.no_grad():
         ref, _ = sdpa_attention_forward(module, q, k, v, keep, dropout=0.0, scaling=0.125)
-        with graphs._decode_attention_route():
+        with graphs._mask_once():
             out, _ = AttentionInterface._global_mapping["sdpa"](module, q, k, v, keep, dropout=0.0, scaling=0.125)
-    rtol, atol = graphs.DEFAULT_TOLERANCES[dtype]
-    assert out.shape == ref.shape and torch.allclose(out, ref, rtol=rtol / 10, atol=atol / 10), (out - ref).abs().max()
+    assert torch.equal(out, ref), (out.float() - ref.float()).abs().max()
 
 
 @pytest.mark.gpu

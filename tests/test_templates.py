@@ -137,11 +137,24 @@ WGMMA_CASES = [
 ]
 
 
+# A decode step's products (at most 8 rows), on cuda only: one row and a Llama-like projection (aligned
+# output, where cuBLAS's tiles leave the GPU idle), eight rows into an odd width, fp16 and a K that is
+# not a multiple of the lanes' 256-element stride.
+GEMV = "gemm.mv_rows"
+GEMV_CASES = [
+    (GEMV, A.mm.default, (_x(1, 512, dtype=BF16), _x(256, 512, dtype=BF16, seed=4).t()), {}),
+    (GEMV, A.mm.default, (_x(8, 96, dtype=BF16), _x(37, 96, dtype=BF16, seed=5).t()), {}),
+    (GEMV, A.mm.default, (_x(3, 200, dtype=F16), _x(130, 200, dtype=F16, seed=6).t()), {}),
+]
+
+
 def _served_on_cuda(expected: str, card) -> list[str]:
-    """What the cuda target should offer for a case: the GEMMs come as a pair where wgmma applies."""
-    if expected.startswith("gemm.") and card.tensor_inputs()[0].shape[1] % 64 == 0:
-        return ["gemm.mm_unaligned", WGMMA]
-    return [expected]
+    """What the cuda target should offer for a case: wgmma joins the GEMM where K is a multiple of 64,
+    and the decode template where there are at most 8 rows."""
+    if not expected.startswith("gemm."):
+        return [expected]
+    (m, k) = card.tensor_inputs()[0].shape
+    return ["gemm.mm_unaligned"] + ([WGMMA] if k % 64 == 0 else []) + ([GEMV] if m <= 8 else [])
 
 
 def _card(op, args, kwargs):
@@ -183,7 +196,9 @@ def test_registry_is_complete():
         assert t.ops, f"{t.name} declares no ops"
         assert t.name.startswith(t.family + "."), t.name
         # every template serves both targets, except where the cuda kernel is a vendor instruction's
-        assert set(t.targets) == ({"cuda"} if t.name == WGMMA else {"cuda", "cpu"}), t.name
+        # (wgmma) or the remedy for a GPU's idle bandwidth (one row's product streams at memory speed
+        # through the CPU's BLAS already)
+        assert set(t.targets) == ({"cuda"} if t.name in (WGMMA, GEMV) else {"cuda", "cpu"}), t.name
     for family, ops in REQUIRED_OPS.items():
         served = {op for t in REGISTRY if t.family == family for op in t.ops}
         missing = set(ops) - served
@@ -206,6 +221,11 @@ def test_every_case_is_claimed_by_its_template():
         card = _card(op, args, kwargs)
         assert [t.name for t in templates_for(card, "cpu")] == ["gemm.mm_unaligned"]
         assert WGMMA in [t.name for t in templates_for(on_device(card, "cuda"), "cuda")]
+    for _, op, args, kwargs in GEMV_CASES:
+        card = on_device(_card(op, args, kwargs), "cuda")
+        assert GEMV in [t.name for t in templates_for(card, "cuda")]
+    nine = on_device(_card(A.mm.default, (_x(9, 64, dtype=BF16), _x(64, 64, dtype=BF16).t()), {}), "cuda")
+    assert "more than 8 rows" in by_name(GEMV).supports(nine, "cuda")
 
 
 # --- refusals --------------------------------------------------------------------------------------
@@ -379,7 +399,7 @@ def _first_dtype(args):
 
 
 CUDA_CASES = [c for c in CASES if _first_dtype(c[2]) == BF16 or c[0] in ("rowreduce.softmax", "norm.group_norm")]
-CUDA_CASES += WGMMA_CASES
+CUDA_CASES += WGMMA_CASES + GEMV_CASES
 
 
 # Axes whose every value is rendered (from the default point), not only at the corners: the cache
@@ -474,7 +494,7 @@ def test_cuda_sources_pass_static_checks_and_the_real_compile():
     from forgepack import staticcheck
     from forgepack.compile import compile_kernel
 
-    picks = ["elementwise.cat", "rowreduce.layer_norm", "norm.group_norm", "pool.max2d", WGMMA]
+    picks = ["elementwise.cat", "rowreduce.layer_norm", "norm.group_norm", "pool.max2d", WGMMA, GEMV]
     sources = []
     for name in picks:
         _expected, op, args, kwargs = next(c for c in CUDA_CASES if c[0] == name)
@@ -515,7 +535,7 @@ def test_cuda_kernels_pass_the_verifier():
     from forgepack.compile import compile_kernel
     from forgepack.evaluate import Evaluator
 
-    cases = [(e, op, _to_cuda(args), kw) for e, op, args, kw in CASES + WGMMA_CASES]
+    cases = [(e, op, _to_cuda(args), kw) for e, op, args, kw in CASES + WGMMA_CASES + GEMV_CASES]
     img = torch.randn(2, 8, 7, 9, device="cuda", dtype=F16)
     stats = [torch.randn(8, device="cuda") for _ in range(3)] + [torch.rand(8, device="cuda") + 0.5]  # cuDNN: fp32
     cases.append(("norm.batch_norm", A.cudnn_batch_norm.default, (img, *stats, False, 0.1, 1e-5), {}))

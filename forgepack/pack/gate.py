@@ -207,7 +207,10 @@ def check_graphs(lm, pack, ids: set[str]) -> dict[str, Any]:
     pack.activate(strict=True)
     pack.enable_only(ids)
     try:
-        ok, reason = graphs.verify_replay(lm.model, lambda step: lm.make_inputs(seed=100 + step))
+        # Held to the pack's own model tolerance: under capture transformers and the runtime take
+        # other (equivalent) routes, whose bf16 roundings differ through 16 layers by a few ulps.
+        ok, reason = graphs.verify_replay(lm.model, lambda step: lm.make_inputs(seed=100 + step),
+                                          scale_rtol=MODEL_RTOL.get(str(lm.dtype).removeprefix("torch."), 1e-3))
     except Exception as err:  # a verdict to record, not a failed build
         ok, reason = False, f"{type(err).__name__}: {(str(err).splitlines() or [''])[0]}"
     finally:

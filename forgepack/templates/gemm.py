@@ -50,28 +50,37 @@ class GemmPlan:
     dtype: str
 
 
+def tn_plan(card: Card, aligned_rows: str | None = None) -> GemmPlan | str:
+    """The product nn.Linear makes, `mm(x, w.t())` in fp16/bf16 into a contiguous output, or why not.
+    `aligned_rows`: the refusal for an output whose rows are 16-byte aligned (None: accepted)."""
+    a, b = card.tensor_inputs()[:2]
+    out = card.outputs[0]
+    if a.dtype not in ("float16", "bfloat16") or b.dtype != a.dtype or out.dtype != a.dtype:
+        return "GEMM served on float16/bfloat16 operands and output of one dtype"
+    if len(a.shape) != 2 or len(b.shape) != 2 or a.shape[1] != b.shape[0]:
+        return "not a 2-D matrix product"
+    (m, k), n = a.shape, b.shape[1]
+    if out.shape != (m, n) or not out.is_contiguous():
+        return "GEMM served into a contiguous output"
+    if aligned_rows and n % 8 == 0:
+        return aligned_rows
+    if a.stride[1] != 1 or a.stride[0] % 8 or a.storage_offset % 8:
+        return "the first operand must be row-major with 16-byte aligned rows"
+    if b.stride[0] != 1 or b.stride[1] % 8 or b.storage_offset % 8:
+        return "the second operand must be a transposed K-contiguous weight (nn.Linear's mm(x, w.t()))"
+    return GemmPlan(m, n, k, a.stride[0], b.stride[1], a.dtype)
+
+
 class GemmTemplate(Template):
     def plan(self, card: Card, target: str):
-        a, b = card.tensor_inputs()[:2]
-        out = card.outputs[0]
-        if a.dtype not in ("float16", "bfloat16") or b.dtype != a.dtype or out.dtype != a.dtype:
-            return "GEMM served on float16/bfloat16 operands and output of one dtype"
-        if len(a.shape) != 2 or len(b.shape) != 2 or a.shape[1] != b.shape[0]:
-            return "not a 2-D matrix product"
-        (m, k), n = a.shape, b.shape[1]
-        if out.shape != (m, n) or not out.is_contiguous():
-            return "GEMM served into a contiguous output"
-        if n % 8 == 0:
-            return "the output's rows are 16-byte aligned: cuBLAS serves this product at near peak"
-        if a.stride[1] != 1 or a.stride[0] % 8 or a.storage_offset % 8:
-            return "the first operand must be row-major with 16-byte aligned rows"
-        if b.stride[0] != 1 or b.stride[1] % 8 or b.storage_offset % 8:
-            return "the second operand must be a transposed K-contiguous weight (nn.Linear's mm(x, w.t()))"
-        if k % 16:
+        plan = tn_plan(card, "the output's rows are 16-byte aligned: cuBLAS serves this product at near peak")
+        if isinstance(plan, str):
+            return plan
+        if plan.k % 16:
             return "K must be a multiple of 16"
-        if ceil_div(n, 128) > 65535:
+        if ceil_div(plan.n, 128) > 65535:
             return "N is over the grid's limit"
-        return GemmPlan(m, n, k, a.stride[0], b.stride[1], a.dtype)
+        return plan
 
     def axes(self, plan: GemmPlan, target: str) -> dict[str, list]:
         if target == "cpu":
@@ -429,7 +438,129 @@ __global__ void __launch_bounds__({threads}, {blocks}) fp_gemm(const {t}* __rest
     return prelude("cuda") + kernel + entry(card, "cuda", _launch(t, smem, grid_m, grid_n, threads, hopper))
 
 
+# --- decode: a few rows against a whole weight ------------------------------------------------------
+
+GEMV_MAX_ROWS = 8
+
+
+class GemvTemplate(Template):
+    """A decode step's products: `mm(x, w.t())` with at most 8 rows, any width, aligned or not.
+
+    Such a product reads the whole weight to produce a few outputs, so its time is the weight's bytes
+    over the memory bandwidth, and what decides it is how many bytes are in flight. cuBLAS runs
+    Llama-1B's decode projections (one row) on 64x8 tiles: 32 blocks for a 2048-wide output, 5.6 µs
+    for a 8 MB weight (1.4 TB/s of the H200's 4.8), 5.3 µs for the 2 MB key projection
+    (`benchmarks/2026-11-30-h200-session6`). Here each warp owns `cols` output columns for every row;
+    its lanes walk K in 16-byte chunks (8 elements), issue `unroll` chunks of every column before
+    using any (that many 16-byte weight loads in flight per lane, streamed past L1), accumulate in
+    fp32 and reduce across the warp by shuffles; the result is rounded once, as cuBLAS rounds its fp32
+    accumulator. The rows of x (at most 8 x K) are read through L1 and stay in L2."""
+
+    def plan(self, card: Card, target: str):
+        plan = tn_plan(card)
+        if isinstance(plan, str):
+            return plan
+        if plan.m > GEMV_MAX_ROWS:
+            return f"more than {GEMV_MAX_ROWS} rows: a tensor-core GEMM's product, not a weight stream"
+        if plan.k % 8:
+            return "K must be a multiple of 8 (16-byte loads)"
+        return plan
+
+    def axes(self, plan: GemmPlan, target: str) -> dict[str, list]:
+        return {"warps": [8, 4, 16], "cols": [1, 2, 4], "unroll": [4, 2, 8]}
+
+    def pick_default(self, plan, axes, target):
+        # Enough warps to cover every SM several times over: two columns per warp only on wide outputs.
+        return {"warps": 8, "cols": 2 if plan.n >= 8192 else 1, "unroll": 4}
+
+    def emit(self, card: Card, plan: GemmPlan, target: str, params: dict) -> str:
+        return render_gemv(card, plan, params)
+
+
+def render_gemv(card: Card, plan: GemmPlan, params: dict) -> str:
+    warps, cols, unroll = params["warps"], params["cols"], params["unroll"]
+    t = ctype(plan.dtype, "cuda")
+    pair, to_float2 = (("__nv_bfloat162", "__bfloat1622float2") if plan.dtype == "bfloat16"
+                       else ("__half2", "__half22float2"))
+    m, n, k = plan.m, plan.n, plan.k
+    threads = warps * 32
+    grid = ceil_div(n, warps * cols)
+    kernel = f"""
+// 8 elements of a 16-byte chunk, as floats.
+FP_FN void fp_unpack8(const uint4& v, float* f) {{
+  const {pair}* p = reinterpret_cast<const {pair}*>(&v);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {{
+    const float2 two = {to_float2}(p[i]);
+    f[2 * i] = two.x;
+    f[2 * i + 1] = two.y;
+  }}
+}}
+
+__global__ void __launch_bounds__({threads}) fp_gemv(const {t}* __restrict__ a, const {t}* __restrict__ w,
+                                                   {t}* __restrict__ c) {{
+  const int lane = threadIdx.x % 32;
+  const int col0 = (blockIdx.x * {warps} + threadIdx.x / 32) * {cols};
+  if (col0 >= {n}) return;  // the whole warp: no shuffle below misses a lane
+  float acc[{cols}][{m}];
+#pragma unroll
+  for (int j = 0; j < {cols}; ++j)
+#pragma unroll
+    for (int r = 0; r < {m}; ++r) acc[j][r] = 0.0f;
+  for (int k0 = lane * 8; k0 < {k}; k0 += {256 * unroll}) {{
+    uint4 wv[{unroll}][{cols}];
+#pragma unroll
+    for (int u = 0; u < {unroll}; ++u)
+#pragma unroll
+      for (int j = 0; j < {cols}; ++j) {{
+        const int kk = k0 + u * 256;
+        const int col = min(col0 + j, {n - 1});  // a column past N reads a real row and is never stored
+        wv[u][j] = kk < {k} ? __ldcs(reinterpret_cast<const uint4*>(w + (size_t)col * {plan.ldb} + kk))
+                            : make_uint4(0u, 0u, 0u, 0u);
+      }}
+#pragma unroll
+    for (int u = 0; u < {unroll}; ++u) {{
+      const int kk = k0 + u * 256;
+      if (kk >= {k}) break;
+#pragma unroll
+      for (int r = 0; r < {m}; ++r) {{
+        float x[8];
+        fp_unpack8(*reinterpret_cast<const uint4*>(a + (size_t)r * {plan.lda} + kk), x);
+#pragma unroll
+        for (int j = 0; j < {cols}; ++j) {{
+          float wf[8];
+          fp_unpack8(wv[u][j], wf);
+#pragma unroll
+          for (int e = 0; e < 8; ++e) acc[j][r] = fmaf(x[e], wf[e], acc[j][r]);
+        }}
+      }}
+    }}
+  }}
+#pragma unroll
+  for (int j = 0; j < {cols}; ++j)
+#pragma unroll
+    for (int r = 0; r < {m}; ++r)
+#pragma unroll
+      for (int off = 16; off > 0; off /= 2) acc[j][r] += __shfl_xor_sync(0xffffffffu, acc[j][r], off);
+  if (lane == 0) {{
+#pragma unroll
+    for (int j = 0; j < {cols}; ++j)
+      if (col0 + j < {n})
+#pragma unroll
+        for (int r = 0; r < {m}; ++r) c[(size_t)r * {n} + col0 + j] = fp_st<{t}>(acc[j][r]);
+  }}
+}}
+"""
+    body = f"""const {t}* a = (const {t}*)call->inputs[0].data;
+  const {t}* w = (const {t}*)call->inputs[1].data;
+  if (!({align_check([("a", 16), ("w", 16)])})) return FP_ERR_UNSUPPORTED;
+  fp_gemv<<<{grid}u, {threads}, 0, stream>>>(a, w, ({t}*)call->outputs[0].data);
+  {launch_status("cuda")}"""
+    return prelude("cuda") + kernel + entry(card, "cuda", body)
+
+
 TEMPLATES = (
     GemmTemplate("gemm.mm_unaligned", "gemm", ("cuda", "cpu"), ("aten.mm.default",)),
     WgmmaTemplate("gemm.mm_unaligned_wgmma", "gemm", ("cuda",), ("aten.mm.default",)),
+    GemvTemplate("gemm.mv_rows", "gemm", ("cuda",), ("aten.mm.default",)),
 )

@@ -914,27 +914,25 @@ def _install_mask_hooks(mu: Any, iu: Any) -> None:
         setattr(module, name, stand_in)
 
 
-# --- decode attention under capture ------------------------------------------------------------------
+# --- one mask conversion per captured forward ---------------------------------------------------------
 #
-# A static-cache decode step calls transformers' `sdpa_attention_forward` once per layer with one query
-# token and a boolean mask over the whole cache. Each call then (transformers 5.17) copies the key and
-# value heads `num_key_value_groups` times (`repeat_kv`) and SDPA converts the boolean mask to an
-# additive one (two fills and a `where`): on Llama-1B decode (H200) 48 mask kernels and 32 head copies a
-# step, a third of its non-GEMM kernels. For the capture of such a step, and only in the capturing
-# thread, the "sdpa" entry of transformers' attention registry is answered by `_routed_sdpa`: the mask is
-# converted once per forward and shared by every layer, and the query heads of a key/value group become
-# the query rows of that group (what transformers 5.24 does in eager decode as `pack_gqa`), so no head is
-# copied. Calls it does not cover (more than one query token, dropout, position bias, softcap, attention
-# weights asked for, masks of other shapes) go to transformers' own function. Verification compares the
-# replay with eager, which takes transformers' route.
+# With a data-dependent mask (a static cache's decode step, a caller's padding mask) transformers builds
+# one boolean mask per forward and passes it to every layer's `sdpa_attention_forward`, and SDPA converts
+# it to an additive mask in every layer: two fills and a `where`, 48 kernels per Llama-1B decode step
+# (H200, `benchmarks/2026-11-30-h200-session6`). For a capture, and only in the capturing thread, the
+# "sdpa" entry of transformers' attention registry converts a boolean mask once (per mask object and
+# version) and hands the additive mask to transformers' own function, which then runs as before.
+# Calls with a position bias keep the boolean mask (transformers combines the two itself).
+# Session 6 also tried running decode attention with a group's query heads as query rows (no repeated
+# key/value heads): cuDNN then took a 64-row wgmma kernel, 13 µs per layer against 7 µs, so no.
 
 _ROUTE_LOCK = threading.Lock()
 _ROUTE_THREADS: collections.Counter[int] = collections.Counter()  # thread -> captures taking the route
 _ROUTE_ORIGINAL: list[tuple[dict, Any]] = []  # (registry mapping, transformers' function) while installed
 _ROUTE_LOCAL = threading.local()  # .masks: {id(bool mask): (mask, version, additive)} for this capture
-# The additive value of a masked position: what SDPA's cuDNN path uses for half types (finite, so an
+# The additive value of a masked position: what SDPA's cuDNN path gives it in half types (finite, so an
 # all-masked row cannot turn into NaN), and SDPA's own -inf otherwise. A row with an unmasked position
-# comes out the same with either: the masked terms' exponentials are exactly zero.
+# comes out the same either way: the masked terms' exponentials are exactly zero.
 _MASKED = {torch.float16: -65504.0, torch.bfloat16: -65504.0}
 
 
@@ -945,9 +943,9 @@ def _sdpa_registry() -> dict | None:
 
 
 @contextlib.contextmanager
-def _decode_attention_route() -> Iterator[bool]:
-    """For the capture inside, this thread's transformers SDPA calls of one query token take
-    `_routed_sdpa`. Yields whether the route is installed (transformers loaded with an "sdpa" entry)."""
+def _mask_once() -> Iterator[bool]:
+    """For the capture inside, this thread's transformers SDPA calls share one conversion of each
+    boolean mask. Yields whether the route is installed (transformers loaded with an "sdpa" entry)."""
     mapping = _sdpa_registry()
     if mapping is None:
         yield False
@@ -956,7 +954,7 @@ def _decode_attention_route() -> Iterator[bool]:
     with _ROUTE_LOCK:
         if not _ROUTE_THREADS:
             _ROUTE_ORIGINAL.append((mapping, mapping["sdpa"]))
-            mapping["sdpa"] = _routed_sdpa(mapping["sdpa"])
+            mapping["sdpa"] = _converting_sdpa(mapping["sdpa"])
         _ROUTE_THREADS[me] += 1
     outer = getattr(_ROUTE_LOCAL, "masks", None)
     _ROUTE_LOCAL.masks = {}
@@ -974,63 +972,29 @@ def _decode_attention_route() -> Iterator[bool]:
                 _ROUTE_ORIGINAL.clear()
 
 
-def _routed_sdpa(original: Callable) -> Callable:
+def _converting_sdpa(original: Callable) -> Callable:
     @functools.wraps(original)
     def sdpa_attention_forward(module, query, key, value, attention_mask, *args, **kwargs):
         masks = getattr(_ROUTE_LOCAL, "masks", None)
-        if masks is None or args or not _route_covers(module, query, key, value, attention_mask, kwargs):
-            return original(module, query, key, value, attention_mask, *args, **kwargs)
-        return _decode_attention(query, key, value, _additive_mask(masks, attention_mask, query.dtype),
-                                 kwargs.get("scaling")), None
+        if (masks is not None and isinstance(attention_mask, torch.Tensor) and attention_mask.dtype == torch.bool
+                and isinstance(query, torch.Tensor) and query.device.type in ("cuda", "cpu")
+                and kwargs.get("position_bias") is None):
+            attention_mask = _additive_mask(masks, attention_mask, query.dtype)
+        return original(module, query, key, value, attention_mask, *args, **kwargs)
 
     return sdpa_attention_forward
 
 
-def _route_covers(module, query, key, value, mask, kwargs: dict) -> bool:
-    """One query token, plain attention (what transformers' function computes for it, and nothing it
-    would treat specially), query heads a multiple of the key/value heads as the module declares."""
-    if kwargs.get("dropout") or kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None \
-            or kwargs.get("output_attentions"):
-        return False
-    if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (query, key, value)):
-        return False
-    (b, heads, n, dim), kv_heads = query.shape, key.shape[1]
-    if n != 1 or query.device.type not in ("cuda", "cpu") or key.shape[0] != b or value.shape[:3] != key.shape[:3] \
-            or key.shape[-1] != dim or value.shape[-1] != dim or heads % kv_heads:
-        return False
-    if heads != kv_heads and getattr(module, "num_key_value_groups", None) != heads // kv_heads:
-        return False
-    if mask is None:
-        return True
-    return (isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.shape[2] == 1 and mask.shape[0] in (1, b)
-            and mask.shape[1] in (1, heads) and mask.shape[3] == key.shape[2]
-            and mask.dtype in (torch.bool, query.dtype))
-
-
-def _additive_mask(masks: dict, mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+def _additive_mask(masks: dict, mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A boolean mask as SDPA would convert it, converted once per capture (every layer gets the same
-    mask object from the model); other masks as they are."""
-    if mask is None or mask.dtype != torch.bool:
-        return mask
+    mask object from the model)."""
     hit = masks.get(id(mask))
     if hit is not None and hit[0] is mask and hit[1] == mask._version:
         return hit[2]
-    masked = _MASKED.get(dtype, float("-inf"))
-    additive = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(mask.logical_not(), masked)
+    additive = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(
+        mask.logical_not(), _MASKED.get(dtype, float("-inf")))
     masks[id(mask)] = (mask, mask._version, additive)  # holds the mask: its id stays its own
     return additive
-
-
-def _decode_attention(query, key, value, mask, scale) -> torch.Tensor:
-    """Attention of one query token per head, the heads of a key/value group as that group's query rows;
-    returned as transformers returns it: (batch, 1, heads, dim), contiguous."""
-    b, heads, _, dim = query.shape
-    kv_heads = key.shape[1]
-    q = query.reshape(b, kv_heads, heads // kv_heads, dim)
-    if mask is not None and mask.shape[1] == heads:
-        mask = mask.reshape(mask.shape[0], kv_heads, heads // kv_heads, mask.shape[3])
-    out = torch.nn.functional.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scale)
-    return out.reshape(b, 1, heads, dim).contiguous()
 
 
 def _first_line(err: BaseException) -> str:
@@ -1200,7 +1164,7 @@ class GraphedForward:
         static_args = tuple(_rebuild(v, buffers) for v in args)
         static_kwargs = {k: _rebuild(v, buffers) for k, v in kwargs.items()}
         try:
-            with _eager_mask_choice(static_args, static_kwargs), _decode_attention_route():
+            with _eager_mask_choice(static_args, static_kwargs), _mask_once():
                 captured = self._backend.capture(self.fn, static_args, static_kwargs, device)
         except Exception as err:
             raise _CaptureFailed(f"capture failed: {_first_line(err)}") from err
@@ -1476,8 +1440,10 @@ def _tolerance(dtype: torch.dtype, rtol: float | None, atol: float | None) -> tu
 
 
 def tensor_mismatch(expected: torch.Tensor, got: torch.Tensor, rtol: float | None = None,
-                    atol: float | None = None) -> str:
-    """'' when `got` matches `expected` (allclose, NaN and Inf in the same places), else why not."""
+                    atol: float | None = None, scale_rtol: float | None = None) -> str:
+    """'' when `got` matches `expected` (allclose, NaN and Inf in the same places), else why not.
+    With `scale_rtol`, floating tensors are compared as the gate compares a model's outputs: the largest
+    difference over the largest magnitude of `expected` (Inf in the same places, the same values)."""
     if expected.shape != got.shape or expected.dtype != got.dtype:
         return f"{got.dtype}{list(got.shape)} instead of {expected.dtype}{list(expected.shape)}"
     if expected.numel() == 0:
@@ -1489,6 +1455,8 @@ def tensor_mismatch(expected: torch.Tensor, got: torch.Tensor, rtol: float | Non
     e, g = expected.detach().float(), got.detach().float().to(expected.device)
     if not torch.equal(torch.isnan(e), torch.isnan(g)):
         return "NaN in different places"
+    if scale_rtol is not None:
+        return _scale_mismatch(e, g, scale_rtol)
     close = torch.isclose(e, g, rtol=r, atol=a, equal_nan=True)
     if bool(close.all()):
         return ""
@@ -1498,8 +1466,20 @@ def tensor_mismatch(expected: torch.Tensor, got: torch.Tensor, rtol: float | Non
     return f"{bad} of {e.numel()} elements differ (max abs diff {worst:.3g}, rtol={r}, atol={a})"
 
 
+def _scale_mismatch(e: torch.Tensor, g: torch.Tensor, scale_rtol: float) -> str:
+    inf = torch.isinf(e)
+    if not torch.equal(inf, torch.isinf(g)) or not torch.equal(e[inf], g[inf]):
+        return "Inf in different places"
+    finite = torch.isfinite(e)
+    if not bool(finite.any()):
+        return ""
+    scale = max(float(e[finite].abs().max()), 1e-30)
+    err = float((e - g)[finite].abs().max()) / scale
+    return f"differs by {err:.2e} of its scale (tolerance {scale_rtol:g})" if err > scale_rtol else ""
+
+
 def outputs_mismatch(expected: Any, got: Any, keep=frozenset(), rtol: float | None = None,
-                     atol: float | None = None) -> str:
+                     atol: float | None = None, scale_rtol: float | None = None) -> str:
     """'' when two nested outputs have the same structure and matching leaves, else the first difference."""
     a, b = _leaves(expected, "out", keep, [], set()), _leaves(got, "out", keep, [], set())
     if [p for p, _ in a] != [p for p, _ in b]:
@@ -1508,7 +1488,7 @@ def outputs_mismatch(expected: Any, got: Any, keep=frozenset(), rtol: float | No
         if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
             if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)):
                 return f"{path}: tensor on one side only"
-            why = tensor_mismatch(x, y, rtol, atol)
+            why = tensor_mismatch(x, y, rtol, atol, scale_rtol)
             if why:
                 return f"{path}: {why}"
         elif x != y and not (isinstance(x, float) and x != x and y != y):
@@ -1526,6 +1506,7 @@ def verify_replay(
     warmup: int = DEFAULT_WARMUP,
     restore_state: bool = True,
     backend: str = "cuda",
+    scale_rtol: float | None = None,
 ) -> tuple[bool, str]:
     """Replay against eager on fresh inputs: (ok, reason).
 
@@ -1535,7 +1516,8 @@ def verify_replay(
     step the eager forward runs first, then the call is undone in place (argument tensors, tensors of
     argument objects, the module's buffers, argument objects' attributes) and the graphed forward runs
     on the same state; outputs and resulting state must match (`rtol`/`atol`, defaults per dtype in
-    `DEFAULT_TOLERANCES`). With `restore_state` (default) every step starts from the state
+    `DEFAULT_TOLERANCES`; with `scale_rtol`, floating tensors within that fraction of their largest
+    magnitude: the pack gate's model tolerance). With `restore_state` (default) every step starts from the state
     `make_inputs` left (decode: the same position every step); without it the graphed call's state
     carries into the next step (decode: positions advance; the cache needs room). Graphs are built in
     a private pool and freed; the module and its state are left as found.
@@ -1553,7 +1535,8 @@ def verify_replay(
                 args, kwargs = _as_call(make_inputs(step))
                 snap = _StateSnapshot(args, kwargs, owner)
                 first = first or snap
-                why = _verify_step(fn, trial, args, kwargs, snap, step, rtol, atol, restore_state)
+                why = _verify_step(fn, trial, args, kwargs, snap, step, restore_state,
+                                   {"rtol": rtol, "atol": atol, "scale_rtol": scale_rtol})
                 if why:
                     return False, why
         return True, f"replay matched eager on {n} fresh inputs after capture (warm-up {warmup})"
@@ -1567,7 +1550,7 @@ def verify_replay(
             torch.cuda.empty_cache()  # the private pool's memory goes back
 
 
-def _verify_step(fn, trial, args, kwargs, snap, step, rtol, atol, restore_state) -> str:
+def _verify_step(fn, trial, args, kwargs, snap, step, restore_state, tol: dict) -> str:
     """One step of `verify_replay`: '' when graphed and eager agree, else why not."""
     keep = frozenset(snap.objects)
     expected = copy_outputs(fn(*args, **kwargs), keep)
@@ -1584,12 +1567,12 @@ def _verify_step(fn, trial, args, kwargs, snap, step, rtol, atol, restore_state)
     phase = "warm-up" if step < trial.warmup else ("capture" if step == trial.warmup else "replay")
     if step >= trial.warmup and trial.stats()["replays"] == replays:
         return f"not graphed at step {step}: {_why_not_graphed(trial.stats())}"
-    diff = outputs_mismatch(expected, got, keep, rtol, atol)
+    diff = outputs_mismatch(expected, got, keep, **tol)
     if diff:
         hint = " (two eager calls disagree: Python-side state?)" if phase == "warm-up" else ""
         return f"{phase} step {step}: {diff}{hint}"
     for i, (e, g) in enumerate(zip(expected_state, got_state, strict=True)):
-        why = tensor_mismatch(e, g, rtol, atol)
+        why = tensor_mismatch(e, g, **tol)
         if why:
             return f"{phase} step {step}: state tensor {i} {list(e.shape)} after the call: {why}"
     return ""
