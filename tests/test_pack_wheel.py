@@ -8,6 +8,7 @@ gate has its own tests). Each scenario runs in a fresh Python process, as a user
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -347,3 +348,25 @@ def test_bench_times_eager_pack_and_compile_side_by_side(built, tmp_path):
     assert doc["columns"]["eager"]["speedup"] == 1.0
     assert "backend='eager'" in doc["columns"]["compile"]["note"]
     assert len(doc["pack_hits"]) == 7 and all(h > 0 for h in doc["pack_hits"].values())
+
+
+def test_bench_gives_no_graph_number_where_the_manifest_turns_graph_mode_off(built, tmp_path):
+    """`pack+graphs` is what activate(graphs=True) does: where the pack's manifest turns graph mode
+    off (here: a cpu pack), that is eager, and the column says why instead of timing a graph anyway."""
+    result, _ = built
+    wheel = tmp_path / result.wheel.name  # the gate's verdict for a cpu build, written into a copy
+    with zipfile.ZipFile(result.wheel) as src, zipfile.ZipFile(wheel, "w") as dst:
+        for item in src.infolist():
+            data = src.read(item)
+            if item.filename.endswith("/manifest.toml"):
+                m = manifest_mod.loads(data.decode())
+                off = {"enabled": False, "reason": "cpu target: CUDA graphs need a GPU"}
+                data = manifest_mod.dumps(dataclasses.replace(m, graphs=off)).encode()
+            dst.writestr(item, data)
+    cmd = [sys.executable, "-m", "forgepack", "bench", "tiny-llama", "--target", "cpu", "--pack", str(wheel),
+           "--json", "--rounds", "1", "--reps", "1", "--columns", "eager,pack+graphs"]
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600, check=False,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    skipped = json.loads(proc.stdout)["columns"]["pack+graphs"]["skipped"]
+    assert "manifest turns graph mode off" in skipped and "cpu target" in skipped, skipped

@@ -7,7 +7,11 @@
 #   bash tools/gpu_check.sh tests profile            # some stages, in this order
 #   bash tools/gpu_check.sh 0:tests,graphtests 1:search   # lanes: one per GPU, run side by side
 #   bash tools/gpu_check.sh 0:search=llama-1b-prefill,packs=gpt2 1:search=resnet-50   # per-lane recipes
-#   PACK_BUDGET=48 bash tools/gpu_check.sh 0:tests=templates,packs=llama-1b-decode 1:packs=qwen2-0.5b-prefill+vit-base   # next session
+#   PACK_BUDGET=48 PACK_TIME=280 bash tools/gpu_check.sh 0:packs=llama-1b-prefill+gpt2         # next session: call 1
+#   PACK_BUDGET=48 PACK_TIME=280 bash tools/gpu_check.sh 0:packs=resnet-50+qwen2-0.5b-prefill  # and call 2
+#
+# Set FORGEPACK_COMMIT to the literal commit sent: on the device machine `git rev-parse HEAD` has
+# answered an older commit than the tree it was given (session 6).
 #
 # Without lanes every stage runs in order on GPU 0 (a lane of its own).
 #

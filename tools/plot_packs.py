@@ -59,12 +59,15 @@ def plot(table: list[dict], out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(9, 3.6))
+    fig, ax = plt.subplots(figsize=(10, 3.8))
     width = 0.8 / len(COLUMNS)
     for k, c in enumerate(COLUMNS):
         xs = [i + (k - len(COLUMNS) / 2 + 0.5) * width for i in range(len(table))]
         ax.bar(xs, [r["speedup"].get(c, 0) for r in table], width, label=c)
-    ax.set_xticks(range(len(table)), [r["recipe"] for r in table])
+    names = [r["recipe"] for r in table]
+    # a recipe run more than once is told apart by its commit, on a second line
+    labels = [f"{r['recipe']}\n{r['commit']}" if names.count(r["recipe"]) > 1 else r["recipe"] for r in table]
+    ax.set_xticks(range(len(table)), labels, fontsize=8)
     ax.set_ylabel("speed-up over eager (x)")
     ax.set_title("H200: one run per recipe, columns interleaved")
     ax.legend(ncol=3, fontsize=8)
