@@ -448,9 +448,9 @@ class GemvTemplate(Template):
 
     Such a product reads the whole weight to produce a few outputs, so its time is the weight's bytes
     over the memory bandwidth, and what decides it is how many bytes are in flight. cuBLAS runs
-    Llama-1B's decode projections (one row) on 64x8 tiles: 32 blocks for a 2048-wide output, 5.6 µs
-    for a 8 MB weight (1.4 TB/s of the H200's 4.8), 5.3 µs for the 2 MB key projection
-    (`benchmarks/2026-11-30-h200-session6`). Here each warp owns `cols` output columns for every row;
+    Llama-1B's one-row decode projections on 64x8 tiles (32 blocks for a 2048-wide output): the 112
+    of a step take 917 µs on the H200, 2.1 TB/s for their 1.95 GB of weights, where this template
+    takes 739 µs (`benchmarks/2026-11-30-h200-session6`). Here each warp owns `cols` output columns for every row;
     its lanes walk K in 16-byte chunks (8 elements), issue `unroll` chunks of every column before
     using any (that many 16-byte weight loads in flight per lane, streamed past L1), accumulate in
     fp32 and reduce across the warp by shuffles; the result is rounded once, as cuBLAS rounds its fp32
