@@ -734,8 +734,9 @@ def _attention_args(original):
 
 
 def test_one_conversion_is_confined_to_the_capturing_thread_and_undone(llama):
-    """Only the capturing thread's calls get the converted mask, the same tensor for every call with
-    the same mask; other threads, calls with a position bias and calls after the capture get theirs."""
+    """Only the capturing thread's one-token calls get the converted mask, the same tensor for every
+    call with the same mask; other threads, calls with a position bias or several query tokens, and
+    calls after the capture get theirs."""
     import threading
 
     from transformers.modeling_utils import AttentionInterface
@@ -756,14 +757,17 @@ def test_one_conversion_is_confined_to_the_capturing_thread_and_undone(llama):
             worker.start()
             worker.join()
             routed(module, q, k, k, keep, position_bias=torch.zeros(1, 4, 1, 5))
+            prompt = torch.randn(1, 4, 3, 8)  # several query tokens: padded rows may see nothing
+            routed(module, prompt, k, k, keep.expand(1, 1, 3, 5))
         assert AttentionInterface._global_mapping["sdpa"] is record
         record(module, q, k, k, keep)
     finally:
         AttentionInterface._global_mapping["sdpa"] = original
-    (_, first), (_, second), (other, third), (_, biased), (_, after) = seen
+    (_, first), (_, second), (other, third), (_, biased), (_, several), (_, after) = seen
     assert first.dtype == torch.float32 and second is first
     assert first[0, 0, 0].tolist() == [0.0, 0.0, 0.0, float("-inf"), float("-inf")]
     assert other == worker.ident and third is keep and biased is keep and after is keep
+    assert several.dtype == torch.bool
 
 
 def types_module(**attrs):
