@@ -234,6 +234,17 @@ def graph_breakers(check: Callable[[set[str]], dict[str, Any]], ids: list[str]) 
     return found
 
 
+def _without_graph_breakers(lm, pack, keep: list[str], verdict: dict, dropped: dict[str, str]
+                            ) -> tuple[list[str], dict]:
+    """Replay with every kernel failed: a kernel that computes differently under replay must not serve
+    graph mode. Those that fail alone go into `dropped`; the rest are checked again, to be judged as
+    they will run."""
+    breakers = graph_breakers(lambda only: check_graphs(lm, pack, only), keep)
+    dropped.update({i: f"graph replay differs from eager with it alone: {why}" for i, why in breakers.items()})
+    keep = [i for i in keep if i not in breakers]
+    return keep, (check_graphs(lm, pack, set(keep)) if breakers and keep else verdict)
+
+
 def count_hits(lm, pack, ids: list[str]) -> dict[str, int]:
     pack.activate(strict=True)
     pack.enable_only(set(ids))
@@ -360,12 +371,9 @@ def evaluate(lm, pack, mode: str, rounds: int = ROUNDS, reps: int = REPS) -> Gat
     verdict = check_graphs(lm, pack, set(keep)) if keep and lm.device.type == "cuda" else None
     if verdict is not None and not verdict["enabled"]:
         summary["graphs_first"] = verdict  # kept: the final verdict may be for fewer kernels
-        # A kernel that computes differently under replay must not serve graph mode; the others
-        # are then judged as they will run.
-        breakers = graph_breakers(lambda only: check_graphs(lm, pack, only), keep)
-        dropped.update({i: f"graph replay differs from eager with it alone: {why}" for i, why in breakers.items()})
-        keep = [i for i in keep if i not in breakers]
-        verdict = check_graphs(lm, pack, set(keep)) if breakers and keep else verdict
+    if verdict is not None and not verdict["enabled"] and mode == "full":
+        # Mode "verify" drops nothing: its verdict goes into the manifest, graph mode off if it failed.
+        keep, verdict = _without_graph_breakers(lm, pack, keep, verdict, dropped)
     graphed = bool(verdict and verdict["enabled"])
     if mode == "full" and keep:
         configs = {"stock": None, "pack": set(keep), **{f"without:{i}": set(keep) - {i} for i in keep}}
