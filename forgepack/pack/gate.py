@@ -49,6 +49,10 @@ REPS = 3
 TIMEOUT_S = 3600
 
 
+def model_rtol(lm) -> float:
+    return MODEL_RTOL.get(str(lm.dtype).removeprefix("torch."), 1e-3)
+
+
 @dataclass(frozen=True)
 class Timing:
     """Per-round model times in ms for each configuration ("stock", "pack", "without:<id>")."""
@@ -143,7 +147,9 @@ def compare_outputs(lm, pack, ids: set[str] | None, input_sets: list[dict]) -> t
     """Model outputs with the pack (only `ids` enabled) against stock; (ok, note, worst relative error)."""
     import torch
 
-    rtol = MODEL_RTOL.get(str(lm.dtype).removeprefix("torch."), 1e-3)
+    from forgepack.pack.runtime.graphs import scale_error
+
+    rtol = model_rtol(lm)
     worst = 0.0
     for n, inputs in enumerate(input_sets):
         pack.deactivate()
@@ -156,9 +162,7 @@ def compare_outputs(lm, pack, ids: set[str] | None, input_sets: list[dict]) -> t
         r, g = ref.double(), got.double()
         if not torch.equal(torch.isnan(r), torch.isnan(g)):
             return False, f"input set {n}: NaN in different places than stock", float("inf")
-        finite = torch.isfinite(r) & torch.isfinite(g)
-        scale = float(r[finite].abs().max()) if bool(finite.any()) else 1.0
-        err = float((r - g)[finite].abs().max()) / max(scale, 1e-30) if bool(finite.any()) else 0.0
+        err = scale_error(r, g)
         worst = max(worst, err)
         if err > rtol:
             return False, f"input set {n}: outputs differ by {err:.2e} of their scale (tolerance {rtol:g})", err
@@ -188,7 +192,7 @@ def check_tokens(lm, pack, ids: set[str] | None) -> tuple[bool, str]:
     pack.activate(strict=True)
     pack.enable_only(ids)
     got, _ = greedy(lm)
-    rtol = MODEL_RTOL.get(str(lm.dtype).removeprefix("torch."), 1e-3)
+    rtol = model_rtol(lm)
     return greedy_agree(stock, got, stock_logits, rtol)
 
 
@@ -210,7 +214,7 @@ def check_graphs(lm, pack, ids: set[str]) -> dict[str, Any]:
         # Held to the pack's own model tolerance: under capture transformers and the runtime take
         # other (equivalent) routes, whose bf16 roundings differ through 16 layers by a few ulps.
         ok, reason = graphs.verify_replay(lm.model, lambda step: lm.make_inputs(seed=100 + step),
-                                          scale_rtol=MODEL_RTOL.get(str(lm.dtype).removeprefix("torch."), 1e-3))
+                                          scale_rtol=model_rtol(lm))
     except Exception as err:  # a verdict to record, not a failed build
         ok, reason = False, f"{type(err).__name__}: {(str(err).splitlines() or [''])[0]}"
     finally:

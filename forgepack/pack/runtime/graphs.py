@@ -841,9 +841,37 @@ _SHAPE_ONLY_MASK_KWARGS = frozenset({"input_ids", "inputs_embeds", "pixel_values
                                      "output_attentions", "output_hidden_states", "logits_to_keep"})
 
 
-_MASK_LOCK = threading.Lock()
-_MASK_THREADS: collections.Counter[int] = collections.Counter()  # thread -> captures using the mask choice
-_MASK_ORIGINALS: list[tuple[Any, str, Any]] = []  # (module, name, original) while any thread does
+class _CaptureHooks:
+    """Stand-ins transformers sees while any thread captures: installed when the first capture begins,
+    undone when the last ends. Each stand-in answers differently only in the threads in `threads`."""
+
+    def __init__(self):
+        self.threads: collections.Counter[int] = collections.Counter()  # thread -> captures inside
+        self._lock = threading.Lock()
+        self._undo: list[Callable[[], None]] = []
+
+    @contextlib.contextmanager
+    def held(self, install: Callable[[], list[Callable[[], None]]]) -> Iterator[None]:
+        """`install()` (first capture only) puts the stand-ins in place and returns how to undo each."""
+        me = threading.get_ident()
+        with self._lock:
+            if not self.threads:
+                self._undo = install()
+            self.threads[me] += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self.threads[me] -= 1
+                if not self.threads[me]:
+                    del self.threads[me]
+                if not self.threads:
+                    for undo in reversed(self._undo):
+                        undo()
+                    self._undo = []
+
+
+_MASK_HOOKS = _CaptureHooks()  # transformers' host checks of the mask, answered as in eager mode
 
 
 @contextlib.contextmanager
@@ -868,26 +896,12 @@ def _eager_mask_choice(args: tuple, kwargs: dict) -> Iterator[bool]:
     if not (shape_only and hooks):
         yield False
         return
-    me = threading.get_ident()
-    with _MASK_LOCK:
-        if not _MASK_THREADS:
-            _install_mask_hooks(mu, iu)
-        _MASK_THREADS[me] += 1
-    try:
+    with _MASK_HOOKS.held(lambda: _install_mask_hooks(mu, iu)):
         yield True
-    finally:
-        with _MASK_LOCK:
-            _MASK_THREADS[me] -= 1
-            if not _MASK_THREADS[me]:
-                del _MASK_THREADS[me]
-            if not _MASK_THREADS:
-                for module, name, original in reversed(_MASK_ORIGINALS):
-                    setattr(module, name, original)
-                _MASK_ORIGINALS.clear()
 
 
-def _install_mask_hooks(mu: Any, iu: Any) -> None:
-    """Thread-aware stand-ins for the three transformers functions (held under `_MASK_LOCK`)."""
+def _install_mask_hooks(mu: Any, iu: Any) -> list[Callable[[], None]]:
+    """Thread-aware stand-ins for the three transformers functions; returns their undoing."""
     real_tracing, real_packed, real_capturing = (mu.is_tracing, mu.find_packed_sequence_indices,
                                                  iu.is_cuda_stream_capturing)
     hide = threading.local()
@@ -896,7 +910,7 @@ def _install_mask_hooks(mu: Any, iu: Any) -> None:
         return False if getattr(hide, "on", False) else real_capturing()
 
     def is_tracing(tensor=None):
-        if threading.get_ident() not in _MASK_THREADS:
+        if threading.get_ident() not in _MASK_HOOKS.threads:
             return real_tracing(tensor)
         hide.on = True
         try:
@@ -905,13 +919,15 @@ def _install_mask_hooks(mu: Any, iu: Any) -> None:
             hide.on = False
 
     def find_packed_sequence_indices(position_ids):
-        return None if threading.get_ident() in _MASK_THREADS else real_packed(position_ids)
+        return None if threading.get_ident() in _MASK_HOOKS.threads else real_packed(position_ids)
 
+    undo = []
     for module, name, stand_in in ((iu, "is_cuda_stream_capturing", is_cuda_stream_capturing),
                                    (mu, "is_tracing", is_tracing),
                                    (mu, "find_packed_sequence_indices", find_packed_sequence_indices)):
-        _MASK_ORIGINALS.append((module, name, getattr(module, name)))
+        undo.append(functools.partial(setattr, module, name, getattr(module, name)))
         setattr(module, name, stand_in)
+    return undo
 
 
 # --- one mask conversion per captured forward ---------------------------------------------------------
@@ -929,9 +945,7 @@ def _install_mask_hooks(mu: Any, iu: Any) -> None:
 # Session 6 also tried running decode attention with a group's query heads as query rows (no repeated
 # key/value heads): cuDNN then took a 64-row wgmma kernel, 13 µs per layer against 7 µs, so no.
 
-_ROUTE_LOCK = threading.Lock()
-_ROUTE_THREADS: collections.Counter[int] = collections.Counter()  # thread -> captures taking the route
-_ROUTE_ORIGINAL: list[tuple[dict, Any]] = []  # (registry mapping, transformers' function) while installed
+_ROUTE_HOOKS = _CaptureHooks()  # transformers' "sdpa" registry entry, converting the mask once
 _ROUTE_LOCAL = threading.local()  # .masks: {id(bool mask): (mask, version, additive)} for this capture
 # The additive value of a masked position: what SDPA's cuDNN path gives it in half types (finite, so an
 # all-masked row cannot turn into NaN), and SDPA's own -inf otherwise. A row with an unmasked position
@@ -953,26 +967,19 @@ def _mask_once() -> Iterator[bool]:
     if mapping is None:
         yield False
         return
-    me = threading.get_ident()
-    with _ROUTE_LOCK:
-        if not _ROUTE_THREADS:
-            _ROUTE_ORIGINAL.append((mapping, mapping["sdpa"]))
-            mapping["sdpa"] = _converting_sdpa(mapping["sdpa"])
-        _ROUTE_THREADS[me] += 1
     outer = getattr(_ROUTE_LOCAL, "masks", None)
-    _ROUTE_LOCAL.masks = {}
-    try:
-        yield True
-    finally:
-        _ROUTE_LOCAL.masks = outer
-        with _ROUTE_LOCK:
-            _ROUTE_THREADS[me] -= 1
-            if not _ROUTE_THREADS[me]:
-                del _ROUTE_THREADS[me]
-            if not _ROUTE_THREADS:
-                for registry, original in _ROUTE_ORIGINAL:
-                    registry["sdpa"] = original
-                _ROUTE_ORIGINAL.clear()
+    with _ROUTE_HOOKS.held(lambda: _install_converting_sdpa(mapping)):
+        _ROUTE_LOCAL.masks = {}
+        try:
+            yield True
+        finally:
+            _ROUTE_LOCAL.masks = outer
+
+
+def _install_converting_sdpa(mapping: dict) -> list[Callable[[], None]]:
+    original = mapping["sdpa"]
+    mapping["sdpa"] = _converting_sdpa(original)
+    return [functools.partial(mapping.__setitem__, "sdpa", original)]
 
 
 def _converting_sdpa(original: Callable) -> Callable:
@@ -1469,15 +1476,21 @@ def tensor_mismatch(expected: torch.Tensor, got: torch.Tensor, rtol: float | Non
     return f"{bad} of {e.numel()} elements differ (max abs diff {worst:.3g}, rtol={r}, atol={a})"
 
 
+def scale_error(expected: torch.Tensor, got: torch.Tensor) -> float:
+    """The largest difference over the largest magnitude of `expected`, where both are finite (0.0
+    when nowhere is): how the pack gate measures a model's outputs against stock."""
+    finite = torch.isfinite(expected) & torch.isfinite(got)
+    if not bool(finite.any()):
+        return 0.0
+    scale = float(expected[finite].abs().max())
+    return float((expected - got)[finite].abs().max()) / max(scale, 1e-30)
+
+
 def _scale_mismatch(e: torch.Tensor, g: torch.Tensor, scale_rtol: float) -> str:
     inf = torch.isinf(e)
     if not torch.equal(inf, torch.isinf(g)) or not torch.equal(e[inf], g[inf]):
         return "Inf in different places"
-    finite = torch.isfinite(e)
-    if not bool(finite.any()):
-        return ""
-    scale = max(float(e[finite].abs().max()), 1e-30)
-    err = float((e - g)[finite].abs().max()) / scale
+    err = scale_error(e, g)
     return f"differs by {err:.2e} of its scale (tolerance {scale_rtol:g})" if err > scale_rtol else ""
 
 
