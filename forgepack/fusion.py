@@ -13,7 +13,7 @@ like an operator card (same `Card` schema, `kind="fusion"`):
 - `outputs`: what the chain returns; `chain`: the aten calls it replaces, each with its arguments,
   tensor arguments as refs (``["in", i]``: input i; ``["t", p, k]``: output k of chain entry p) and the
   metadata of its outputs; `fusion`: pattern, launch count, output refs, and the patch sites (for
-  `forgepack.pack.runtime.modules`: class or function, source digest, config facts, call form).
+  `forgepack.runtime.modules`: class or function, source digest, config facts, call form).
 
 Where chains come from (`find`): capture's per-call dataflow log (`forgepack.capture`) and its module
 call records. A *module* site is a leaf module whose whole forward is the chain (RMSNorm, GELU
@@ -49,7 +49,7 @@ from forgepack import opcall
 from forgepack import samples as samples_mod
 from forgepack.capture import Capture, ModuleCall, fold_path
 from forgepack.cards import Arg, Card, Profile, TensorMeta, by_output, output_key
-from forgepack.pack.runtime import modules as rt
+from forgepack.runtime import modules as rt
 
 HOT_FUNCTIONS = ("apply_rotary_pos_emb",)
 MIN_LAUNCHES = 2

@@ -19,7 +19,7 @@ from forgepack.compile import compile_kernel
 from forgepack.devices import DeviceFacts
 from forgepack.evaluate import Evaluator
 from forgepack.pack import fusedgen
-from forgepack.pack.runtime import modules as rt
+from forgepack.runtime import modules as rt
 from forgepack.templates import fused, on_device
 from forgepack.templates.common import memory_order
 
@@ -642,7 +642,7 @@ def test_cuda_fused_kernels_pass_the_verifier_and_serve_the_models(tmp_path):
     """Three tiny models on the GPU: every card's kernels through the real evaluator, one staged `fused`
     op for all of them (one g++ run), every site hit, outputs close to stock, graph mode replaying the
     fused kernels, exact restore."""
-    from forgepack.pack.runtime import graphs
+    from forgepack.runtime import graphs
 
     found = [_on_cuda(name, dtype) for name, dtype in (("tiny-llama", "bfloat16"), ("tiny-resnet", "float16"),
                                                        ("tiny-gpt2", "float16"))]

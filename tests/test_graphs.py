@@ -1,4 +1,4 @@
-"""Graph mode (forgepack/pack/runtime/graphs.py).
+"""Graph mode (forgepack/runtime/graphs.py).
 
 CPU: signature keying, the LRU graph cache (count and bytes), output copying of nested structures,
 enable/disable, and the whole call path (warm-up, capture, replay, eviction, fallback with one
@@ -20,7 +20,7 @@ import pytest
 import torch
 from torch import nn
 
-from forgepack.pack.runtime import graphs
+from forgepack.runtime import graphs
 
 EMU = {"backend": "emulate"}
 

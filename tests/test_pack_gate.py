@@ -12,7 +12,7 @@ from pack_kernels import KERNELS, SLOW_MUL, WRONG_SILU, add_unchecked, find_card
 from forgepack.pack import build_pack
 from forgepack.pack import manifest as manifest_mod
 from forgepack.pack.gate import Timing, decide_pay, decide_use, eager_because, graph_breakers, greedy_agree
-from forgepack.pack.runtime import graphs
+from forgepack.runtime import graphs
 
 # --- the decisions, from measurements -------------------------------------------------------------------------
 

@@ -89,7 +89,7 @@ def _graphed(ctx: BenchContext, col: Column, with_pack: bool) -> Callable[[], An
         _pack(ctx, col)  # the pack's kernels are switched on around each round, and inside the graph
         graphs = importlib.import_module(f"{ctx.pack.__name__}.graphs")
     else:
-        from forgepack.pack.runtime import graphs
+        from forgepack.runtime import graphs
     lm = ctx.lm
     graphed = graphs.GraphedForward(graphs.eager_forward(lm.model))
     col.note = "CUDA graph replay" + (" with the pack's kernels" if with_pack else " of stock kernels")

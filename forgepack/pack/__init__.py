@@ -1,7 +1,7 @@
 """Kernel packs: the wheel builder, the guarded dispatch shim's code generation, the end-to-end gate.
 
 `build_pack(workspace, recipe, margin, gate, out_dir) -> PackResult` is the entry point (`forgepack
-build` calls it last). `runtime/` holds the files copied into every pack; they import nothing of
+build` calls it last). `forgepack/runtime/` holds the files copied into every pack; they import nothing of
 forgepack.
 """
 

@@ -4,7 +4,7 @@
    whose card the guarded dispatch can serve (functional aten ops; see `shimgen.check_supported`).
 2. Stage: a package directory (`<workspace>/pack/stage/forgepack_pack_<slug>/`) with the exact kernel
    objects that were verified and timed (copied, never recompiled), their sources, the generated shim
-   (compiled here with g++ against this torch), the runtime (`forgepack/pack/runtime/`), and
+   (compiled here with g++ against this torch), the runtime (`forgepack/runtime/`), and
    `manifest.toml` with every file's sha256.
 3. Gate (`forgepack.pack.gate`, in a subprocess): outputs agree with stock, every kernel is used and
    pays end to end; what is dropped is restaged and checked again ("verify"). `--no-gate` skips it and
@@ -44,7 +44,7 @@ from forgepack.pack.manifest import Manifest, OutputTolerance, PackFile, PackVar
 from forgepack.recipe import Recipe
 from forgepack.workspace import Workspace
 
-RUNTIME_DIR = Path(__file__).parent / "runtime"
+RUNTIME_DIR = Path(__file__).parent.parent / "runtime"
 SHIM_LIBRARY = "shim/libforgepack_shim.so"
 REPORT = "pack_report.json"
 

@@ -147,7 +147,7 @@ def compare_outputs(lm, pack, ids: set[str] | None, input_sets: list[dict]) -> t
     """Model outputs with the pack (only `ids` enabled) against stock; (ok, note, worst relative error)."""
     import torch
 
-    from forgepack.pack.runtime.graphs import scale_error
+    from forgepack.runtime.graphs import scale_error
 
     rtol = model_rtol(lm)
     worst = 0.0
