@@ -164,7 +164,7 @@ def test_the_indexed_kernel_also_walks_a_channels_last_output_in_memory_order(re
 
 def test_a_channels_last_pack_warns_about_an_nchw_model(resnet_cl, resnet):
     # Correct either way (guards miss, stock runs), but useless: activate(model=...) says how to fix it.
-    from forgepack.pack import runtime
+    from forgepack import runtime
 
     cl = {"memory_format": "channels_last"}
     assert runtime.layout_problem(resnet_cl.lm.model, cl) is None

@@ -12,7 +12,7 @@ from pack_kernels import KERNELS, SLOW_MUL, WRONG_SILU, add_unchecked, find_card
 from forgepack.pack import build_pack
 from forgepack.pack import manifest as manifest_mod
 from forgepack.pack.gate import Timing, decide_pay, decide_use, eager_because, graph_breakers, greedy_agree
-from forgepack.runtime import graphs
+from forgepack.runtime import replaycheck
 
 # --- the decisions, from measurements -------------------------------------------------------------------------
 
@@ -61,7 +61,7 @@ class _Switched(torch.nn.Module):
 def _replay_check(broken_stock: bool = False):
     def check(ids: set[str]) -> dict:
         module = _Switched(ids | ({"tally"} if broken_stock else set()))
-        ok, reason = graphs.verify_replay(module, lambda step: (torch.randn(4),), backend="emulate")
+        ok, reason = replaycheck.verify_replay(module, lambda step: (torch.randn(4),), backend="emulate")
         return {"enabled": ok, "reason": reason}
     return check
 

@@ -147,7 +147,7 @@ def compare_outputs(lm, pack, ids: set[str] | None, input_sets: list[dict]) -> t
     """Model outputs with the pack (only `ids` enabled) against stock; (ok, note, worst relative error)."""
     import torch
 
-    from forgepack.runtime.graphs import scale_error
+    from forgepack.runtime.compare import scale_error
 
     rtol = model_rtol(lm)
     worst = 0.0
@@ -207,14 +207,14 @@ def check_correct(lm, pack, ids: set[str] | None, input_sets: list[dict], tokens
 def check_graphs(lm, pack, ids: set[str]) -> dict[str, Any]:
     """Graph mode's verdict for the manifest: with the kept kernels active, the forward replayed from a
     CUDA graph must match eager on fresh inputs (a host sync or data-dependent control flow fails)."""
-    graphs = importlib.import_module(f"{pack.__name__}.graphs")
+    replaycheck = importlib.import_module(f"{pack.__name__}.replaycheck")
     pack.activate(strict=True)
     pack.enable_only(ids)
     try:
         # Held to the pack's own model tolerance: under capture transformers and the runtime take
         # other (equivalent) routes, whose bf16 roundings differ through 16 layers by a few ulps.
-        ok, reason = graphs.verify_replay(lm.model, lambda step: lm.make_inputs(seed=100 + step),
-                                          scale_rtol=model_rtol(lm))
+        ok, reason = replaycheck.verify_replay(lm.model, lambda step: lm.make_inputs(seed=100 + step),
+                                               scale_rtol=model_rtol(lm))
     except Exception as err:  # a verdict to record, not a failed build
         ok, reason = False, f"{type(err).__name__}: {(str(err).splitlines() or [''])[0]}"
     finally:
