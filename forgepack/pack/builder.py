@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from forgepack import __version__, tolerances
+from forgepack import __version__
 from forgepack import accepted as accepted_mod
 from forgepack import recipe as recipe_mod
 from forgepack.accepted import AcceptedKernel
@@ -42,6 +42,7 @@ from forgepack.pack import gate as gate_mod
 from forgepack.pack import manifest as manifest_mod
 from forgepack.pack.manifest import Manifest, OutputTolerance, PackFile, PackVariant, Provenance
 from forgepack.recipe import Recipe
+from forgepack.runtime import tolerances
 from forgepack.workspace import Workspace
 
 RUNTIME_DIR = Path(__file__).parent.parent / "runtime"

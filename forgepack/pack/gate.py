@@ -38,19 +38,16 @@ from pathlib import Path
 from typing import Any
 
 from forgepack.errors import ForgepackError
+from forgepack.runtime import tolerances
 
 GREEDY_TOKENS = 32
-# Model-level tolerance: max |pack - stock| over max |stock| of the output tensor. Per-op kernels are
-# accepted at a few ulp (forgepack.tolerances); through a few dozen layers that grows by about an
-# order of magnitude, and bf16 logits of a patched model typically differ by 1-2% (Liger: 1.8%).
-MODEL_RTOL = {"float64": 1e-6, "float32": 1e-3, "float16": 1e-2, "bfloat16": 5e-2}
 ROUNDS = 7
 REPS = 3
 TIMEOUT_S = 3600
 
 
 def model_rtol(lm) -> float:
-    return MODEL_RTOL.get(str(lm.dtype).removeprefix("torch."), 1e-3)
+    return tolerances.model_rtol(str(lm.dtype).removeprefix("torch."))
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ FILE = "manifest.toml"
 
 @dataclass(frozen=True)
 class OutputTolerance:
-    """How close each output must be to stock (`forgepack.tolerances`); exact when both are 0."""
+    """How close each output must be to stock (`forgepack.runtime.tolerances`); exact when both are 0."""
 
     dtype: str
     rtol: float = 0.0

@@ -12,22 +12,14 @@ from typing import Any
 import torch
 
 from .graphkeys import leaves
-
-# Default tolerances of `verify_replay`, per output dtype: (rtol, atol). Replay runs the same kernels as
-# eager, but libraries take capture-safe paths under capture (transformers builds an explicit attention
-# mask instead of `is_causal`), so low-precision outputs may differ by a few ulps; a stale or wrong
-# replay differs by far more.
-DEFAULT_TOLERANCES = {
-    torch.float64: (1e-7, 1e-7),
-    torch.float32: (1e-4, 1e-4),
-    torch.float16: (1e-2, 1e-2),
-    torch.bfloat16: (3e-2, 3e-2),
-}
+from .tolerances import REPLAY_TOLERANCES
 
 
 def _tolerance(dtype: torch.dtype, rtol: float | None, atol: float | None) -> tuple[float, float]:
-    default = DEFAULT_TOLERANCES.get(dtype, (0.0, 0.0))  # integer and bool outputs: exact
-    return (default[0] if rtol is None else rtol, default[1] if atol is None else atol)
+    default = REPLAY_TOLERANCES.get(str(dtype).removeprefix("torch."))
+    if default is None:  # integer and bool outputs: exact
+        return (0.0 if rtol is None else rtol, 0.0 if atol is None else atol)
+    return (default.rtol if rtol is None else rtol, default.atol if atol is None else atol)
 
 
 def tensor_mismatch(expected: torch.Tensor, got: torch.Tensor, rtol: float | None = None,

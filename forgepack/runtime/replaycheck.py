@@ -103,7 +103,7 @@ def verify_replay(
     step the eager forward runs first, then the call is undone in place (argument tensors, tensors of
     argument objects, the module's buffers, argument objects' attributes) and the graphed forward runs
     on the same state; outputs and resulting state must match (`rtol`/`atol`, defaults per dtype in
-    `DEFAULT_TOLERANCES`; with `scale_rtol`, floating tensors within that fraction of their largest
+    `tolerances.REPLAY_TOLERANCES`; with `scale_rtol`, floating tensors within that fraction of their largest
     magnitude: the pack gate's model tolerance). With `restore_state` (default) every step starts from the state
     `make_inputs` left (decode: the same position every step); without it the graphed call's state
     carries into the next step (decode: positions advance; the cache needs room). Graphs are built in
