@@ -50,6 +50,7 @@ from forgepack import samples as samples_mod
 from forgepack.capture import Capture, ModuleCall, fold_path
 from forgepack.cards import Arg, Card, Profile, TensorMeta, by_output, output_key
 from forgepack.runtime import modules as rt
+from forgepack.runtime import opclasses, stockcall
 
 HOT_FUNCTIONS = ("apply_rotary_pos_emb",)
 MIN_LAUNCHES = 2
@@ -59,9 +60,6 @@ VENDOR_OPS = frozenset({
     "convolution", "_convolution", "cudnn_convolution", "mkldnn_convolution", "_slow_conv2d_forward",
     "conv2d", "embedding_bag",
 })
-HOST_SYNC_OPS = frozenset({"_local_scalar_dense", "item", "nonzero", "unique", "_unique2", "masked_select",
-                           "equal", "is_nonzero"})
-NO_KERNEL_OPS = frozenset({"empty", "empty_like", "empty_strided"})
 
 
 # --- what an op is ------------------------------------------------------------------------------------
@@ -72,13 +70,13 @@ def _base(op: str) -> str:
 
 
 def _is_view(op: str) -> bool:
-    returns = opcall.resolve(op)._schema.returns
+    returns = stockcall.resolve(op)._schema.returns
     return bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
 
 
 def _writes(op: str) -> list[int]:
     """Positions (in schema argument order) of the arguments the op writes in place."""
-    args = opcall.resolve(op)._schema.arguments
+    args = stockcall.resolve(op)._schema.arguments
     return [i for i, a in enumerate(args) if a.alias_info is not None and a.alias_info.is_write]
 
 
@@ -88,9 +86,9 @@ def _refusal(op: str) -> str | None:
         return f"{op} is not an aten op"
     if name in VENDOR_OPS or "scaled_dot_product" in name or "attention" in name:
         return f"vendor op {name}"
-    if name in HOST_SYNC_OPS:
+    if f"aten::{name}" in opclasses.HOST_SYNC_OPS:
         return f"host synchronisation ({name})"
-    func = opcall.resolve(op)
+    func = stockcall.resolve(op)
     if torch.Tag.nondeterministic_seeded in func.tags:
         return f"random op {name}"
     return None
@@ -98,7 +96,7 @@ def _refusal(op: str) -> str | None:
 
 def launches(chain: tuple[dict, ...] | list[dict]) -> int:
     """Chain entries that launch a kernel (not views, not bare allocations)."""
-    return sum(1 for e in chain if not _is_view(e["op"]) and _base(e["op"]) not in NO_KERNEL_OPS)
+    return sum(1 for e in chain if not _is_view(e["op"]) and f"aten::{_base(e['op'])}" not in opclasses.NO_KERNEL_OPS)
 
 
 # --- candidates ----------------------------------------------------------------------------------------
@@ -556,7 +554,7 @@ class ChainPlan:
     def __init__(self, card: Card, device: torch.device):
         self.steps = []
         for entry in card.chain:
-            func = opcall.resolve(entry["op"])
+            func = stockcall.resolve(entry["op"])
             positional, keyword = [], []
             for schema_arg, a in zip(func._schema.arguments, entry["args"], strict=True):
                 if a["kind"] == "tensor":
@@ -567,7 +565,7 @@ class ChainPlan:
                 elif a["kind"] == "none":
                     item = ("const", None, False)
                 else:
-                    item = ("const", opcall.decode_value(schema_arg, a["value"], device), False)
+                    item = ("const", stockcall.decode_value(schema_arg, a["value"], device), False)
                 if schema_arg.kwarg_only:
                     keyword.append((schema_arg.name, item))
                 else:
@@ -596,7 +594,7 @@ class ChainPlan:
 
         for func, positional, keyword in self.steps:
             out = func(*[arg(i) for i in positional], **{k: arg(i) for k, i in keyword})
-            values.append(opcall.flatten_outputs(out))
+            values.append(stockcall.flatten_outputs(out))
         return [get(r) for r in self.outputs]
 
 
@@ -689,12 +687,12 @@ def check_and_sample(model: torch.nn.Module, run: Callable[[], Any], cards: list
                                   [samples_mod.window(o).cpu() for o in outputs]))
 
     with torch.no_grad():
-        reference = opcall.flatten_outputs(_output(run()))
-        again = opcall.flatten_outputs(_output(run()))
+        reference = stockcall.flatten_outputs(_output(run()))
+        again = stockcall.flatten_outputs(_output(run()))
         patches = rt.ModulePatches(sites, call=lambda site, tensors: None, observe=observe)
         patches.install()
         try:
-            patched = opcall.flatten_outputs(_output(run()))
+            patched = stockcall.flatten_outputs(_output(run()))
         finally:
             patches.remove()
     # Bit for bit where the model itself is deterministic; else within a generous bound (a wrong glue

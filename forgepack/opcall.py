@@ -1,7 +1,8 @@
 """Encode an aten call's arguments into a card, and call the stock op again from a card.
 
 Capture encodes every schema argument (defaults filled in) so that a variant is the full signature;
-the verifier, the profiler and the pack's self-test decode them to call `torch.ops.aten` again.
+the verifier, the profiler and the pack's self-test decode them to call `torch.ops.aten` again,
+through the runtime's one decoder (`forgepack.runtime.stockcall`).
 """
 
 from __future__ import annotations
@@ -12,14 +13,9 @@ from typing import Any
 import torch
 
 from forgepack.cards import Arg, Card
+from forgepack.runtime import stockcall
 
 _ENUMS = (torch.dtype, torch.layout, torch.memory_format)
-
-
-def resolve(op: str) -> torch._ops.OpOverload:
-    """`aten._softmax.default` -> the OpOverload."""
-    ns, name, overload = op.split(".")
-    return getattr(getattr(getattr(torch.ops, ns), name), overload)
 
 
 def op_key(func: torch._ops.OpOverload) -> str:
@@ -59,41 +55,14 @@ def is_tensor_list(value: Any) -> bool:
     return isinstance(value, list | tuple) and len(value) > 0 and all(isinstance(v, torch.Tensor) for v in value)
 
 
-def decode_value(schema_arg: Any, value: Any, device: torch.device) -> Any:
-    type_str = str(getattr(schema_arg, "real_type", schema_arg.type))  # `.type` spells ScalarType as int
-    if value is None:
-        return None
-    if "ScalarType" in type_str or "Layout" in type_str or "MemoryFormat" in type_str:
-        return getattr(torch, value)
-    if "Device" in type_str:
-        return device
-    return value
-
-
 def call_args(card: Card, tensors: list[torch.Tensor | None], device: torch.device | str) -> tuple[list, dict]:
     """Positional and keyword arguments to call the card's op with these tensor inputs (ABI order)."""
-    device = torch.device(device)
-    func = resolve(card.op)
-    feed = iter(tensors)
-    args, kwargs = [], {}
-    for schema_arg, a in zip(func._schema.arguments, card.args, strict=True):
-        value = _decode_arg(a, schema_arg, feed, device)
-        if schema_arg.kwarg_only:
-            kwargs[schema_arg.name] = value
-        else:
-            args.append(value)
-    return args, kwargs
+    return stockcall.call_args(stockcall.resolve(card.op), recorded(card.args), tensors, torch.device(device))
 
 
-def _decode_arg(a: Arg, schema_arg: Any, feed, device: torch.device) -> Any:
-    if a.kind == "tensor":
-        return next(feed)
-    if a.kind == "tensors":
-        return [next(feed) for _ in a.tensors]
-    if a.kind == "none":
-        next(feed)
-        return None
-    return decode_value(schema_arg, a.value, device)
+def recorded(args: tuple[Arg, ...]) -> list[stockcall.Recorded]:
+    """A card's arguments as the stock-call decoder reads them."""
+    return [(a.kind, len(a.tensors), a.value) for a in args]
 
 
 def run_stock(card: Card, tensors: list[torch.Tensor | None], device: torch.device | str) -> list[torch.Tensor]:
@@ -112,13 +81,5 @@ def stock_call(card: Card, tensors: list[torch.Tensor | None], device: torch.dev
         plan = fusion.chain_plan(card, torch.device(device))
         return lambda: plan(tensors)
     args, kwargs = call_args(card, tensors, device)
-    func = resolve(card.op)
-    return lambda: flatten_outputs(func(*args, **kwargs))
-
-
-def flatten_outputs(result: Any) -> list[torch.Tensor]:
-    if isinstance(result, torch.Tensor):
-        return [result]
-    if isinstance(result, list | tuple):
-        return [t for r in result for t in flatten_outputs(r)]
-    return []
+    func = stockcall.resolve(card.op)
+    return lambda: stockcall.flatten_outputs(func(*args, **kwargs))

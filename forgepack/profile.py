@@ -24,6 +24,7 @@ from forgepack import devices, opcall, roofline, samples, timing
 from forgepack.cards import Card, Profile
 from forgepack.models import LoadedModel
 from forgepack.recipe import Recipe
+from forgepack.runtime import stockcall
 from forgepack.workspace import Workspace
 
 VENDOR_KERNELS = re.compile(r"gemm|cublas|cutlass|cudnn|flash|fmha|xmma|nvjet|sm\d+_|wgmma|cusparse|cufft", re.I)
@@ -63,14 +64,14 @@ def classify(op_name: str, kernels: list[str], device_type: str, is_view: bool) 
 
 
 def is_view_op(card: Card) -> bool:
-    func = opcall.resolve(card.op)
+    func = stockcall.resolve(card.op)
     returns = func._schema.returns
     return bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
 
 
 def aliases_input(fn: Callable[[], Any], inputs: list) -> bool:
     """Whether every output shares storage with an input (`_unsafe_view` is a view its schema hides)."""
-    outputs = opcall.flatten_outputs(fn())
+    outputs = stockcall.flatten_outputs(fn())
     storages = {t.untyped_storage().data_ptr() for t in inputs if t is not None}
     return bool(outputs) and all(o.untyped_storage().data_ptr() in storages for o in outputs)
 
@@ -93,7 +94,7 @@ def diagnose(gpu_busy: float | None, e2e_ms: float, op_ms: float, cards: list[Ca
 
 
 def _call(card: Card, inputs: list, device: torch.device) -> Callable[[], Any]:
-    func = opcall.resolve(card.op)
+    func = stockcall.resolve(card.op)
     args, kwargs = opcall.call_args(card, inputs, device)
     return lambda: func(*args, **kwargs)
 

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from .graphkeys import output_tensors, tensor_bytes
+from .opclasses import NO_KERNEL_OPS, host_sync
 
 
 class CaptureError(RuntimeError):
@@ -175,36 +176,6 @@ class CudaBackend:
         return Captured(graph.replay, outputs, max(grown, 0), graph)
 
 
-# Ops whose result the host must read (a sync under CUDA) or whose output shape depends on data.
-_SYNC_OPS = frozenset({
-    "aten::_local_scalar_dense", "aten::item", "aten::is_nonzero", "aten::equal", "aten::nonzero",
-    "aten::nonzero_numpy", "aten::argwhere", "aten::masked_select", "aten::unique", "aten::_unique",
-    "aten::_unique2", "aten::unique_dim", "aten::unique_consecutive", "aten::unique_dim_consecutive",
-    "aten::bincount", "aten::_assert_scalar",
-})
-_NO_KERNEL = frozenset({"aten::empty", "aten::empty_strided", "aten::empty_like", "aten::new_empty",
-                        "aten::new_empty_strided"})
-
-
-def _host_sync(func: Any, args: tuple, kwargs: dict) -> str:
-    """Why this aten call would need the host to read device data ('' if it would not)."""
-    name = func._schema.name
-    if name in _SYNC_OPS:
-        return name
-    if name == "aten::repeat_interleave" and kwargs.get("output_size") is None and isinstance(args[0], torch.Tensor):
-        return name + " without output_size"
-    if name in ("aten::index", "aten::index_put", "aten::index_put_", "aten::_index_put_impl_"):
-        indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
-        if any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices or ()):
-            return name + " with a boolean mask"
-    for arg in (*args, *kwargs.values()):
-        if isinstance(arg, torch.Tensor) and arg.device.type == "cpu" and arg.dim() == 0 and any(
-            isinstance(a, torch.Tensor) and a.device.type == "cuda" for a in args
-        ):
-            return name + " with a CPU scalar tensor next to CUDA tensors"
-    return ""
-
-
 def _schema_tensors(values: Any) -> list[torch.Tensor]:
     if isinstance(values, torch.Tensor):
         return [values]
@@ -238,7 +209,7 @@ class _Recorder:
         self._fresh: set[int] = set()  # storages allocated during the capture
 
     def dispatch(self, func: Any, args: tuple, kwargs: dict) -> Any:
-        why = _host_sync(func, args, kwargs)
+        why = host_sync(func, args, kwargs)
         if why:
             raise CaptureError(f"operation not permitted when stream is capturing (emulated): {why} needs the host")
         schema = func._schema
@@ -262,7 +233,7 @@ class _Recorder:
             ptr = t.untyped_storage().data_ptr()
             if ptr not in inputs:  # _unsafe_view and friends share an input's storage without saying so
                 self._fresh.add(ptr)
-        if schema.name not in _NO_KERNEL:
+        if schema.name not in NO_KERNEL_OPS:
             self.calls.append((func, args, kwargs, results))
         return out
 

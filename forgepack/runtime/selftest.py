@@ -12,17 +12,13 @@ Imports only torch and the standard library.
 from __future__ import annotations
 
 import sys
-from typing import Any
 
 import torch
 
+from . import stockcall
+
 FRESH_INPUTS = 3
 _FLOAT = ("float32", "float16", "bfloat16", "float64")
-
-
-def resolve(op: str):
-    ns, name, overload = op.split(".")
-    return getattr(getattr(getattr(torch.ops, ns), name), overload)
 
 
 def _span(meta: dict) -> int:
@@ -71,42 +67,8 @@ def inputs(variant: dict, seed: int, device: torch.device, edge: bool) -> list[t
 
 
 def call_args(variant: dict, func, tensors: list, device: torch.device) -> tuple[list, dict]:
-    feed = iter(tensors)
-    args: list[Any] = []
-    kwargs: dict[str, Any] = {}
-    for schema_arg, a in zip(func._schema.arguments, variant["args"], strict=True):
-        kind = a["kind"]
-        if kind == "tensor":
-            value = next(feed)
-        elif kind == "tensors":
-            value = [next(feed) for _ in a["tensors"]]
-        elif kind == "none":
-            value = next(feed)
-        else:
-            value = _decode(str(schema_arg.type), a.get("value"), device)
-        if schema_arg.kwarg_only:
-            kwargs[schema_arg.name] = value
-        else:
-            args.append(value)
-    return args, kwargs
-
-
-def _decode(type_str: str, value: Any, device: torch.device) -> Any:
-    if value is None:
-        return None
-    if any(t in type_str for t in ("ScalarType", "Layout", "MemoryFormat")):
-        return getattr(torch, value)
-    if "Device" in type_str:
-        return device
-    return value
-
-
-def flatten(result: Any) -> list[torch.Tensor]:
-    if isinstance(result, torch.Tensor):
-        return [result]
-    if isinstance(result, list | tuple):
-        return [t for r in result for t in flatten(r)]
-    return []
+    recorded = [(a["kind"], len(a.get("tensors", ())), a.get("value")) for a in variant["args"]]
+    return stockcall.call_args(func, recorded, tensors, device)
 
 
 def compare(out: torch.Tensor, ref: torch.Tensor, tol: dict) -> tuple[str | None, float]:
@@ -150,17 +112,17 @@ def _restore_precision(saved: list) -> None:
 
 def check_variant(pack, variant: dict, device: torch.device, seeds: int) -> tuple[str, int, float]:
     """(problem or "", input sets checked, max abs error) for one variant."""
-    func = resolve(variant["op"])
+    func = stockcall.resolve(variant["op"])
     sets = [(seed, False) for seed in range(seeds)] + [(seeds, True)]
     worst = 0.0
     for n, (seed, edge) in enumerate(sets, start=1):
         tensors = inputs(variant, 1000 + seed, device, edge)
         args, kwargs = call_args(variant, func, tensors, device)
         pack.deactivate()
-        ref = flatten(func(*args, **kwargs))
+        ref = stockcall.flatten_outputs(func(*args, **kwargs))
         pack.activate(strict=True)
         before = pack.stats()[variant["id"]]["hits"]
-        got = flatten(func(*args, **kwargs))
+        got = stockcall.flatten_outputs(func(*args, **kwargs))
         if pack.stats()[variant["id"]]["hits"] != before + 1:
             return "the guard did not send its own variant to the kernel", n, worst
         for j, (o, r) in enumerate(zip(got, ref, strict=True)):
