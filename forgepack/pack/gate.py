@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from forgepack import intervals
 from forgepack.errors import ForgepackError
 from forgepack.runtime import tolerances
 
@@ -62,9 +63,7 @@ class Timing:
     def ratio(self, a: str, b: str) -> tuple[float, float, float]:
         """Median over rounds of a/b (paired: both measured in the same round), with a bootstrap interval."""
         ratios = [x / y for x, y in zip(self.rounds[a], self.rounds[b], strict=True)]
-        rng = random.Random(0)
-        boots = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(1000))
-        return statistics.median(ratios), boots[25], boots[974]
+        return (statistics.median(ratios), *intervals.bootstrap_median_ci(ratios, seed=0))
 
 
 @dataclass(frozen=True)
