@@ -404,12 +404,12 @@ def run(recipe, stage_root: Path, package: str, mode: str = "full", rounds: int 
         timeout: float = TIMEOUT_S) -> GateOutcome:
     """Run the gate on the staged package in a fresh Python process; raises ForgepackError if it fails."""
     from forgepack import recipe as recipe_mod
-    from forgepack.pack.manifest import toml_dumps
+    from forgepack import tomlwriter
 
     out = Path(stage_root) / f"gate-{mode}.json"
     out.unlink(missing_ok=True)
-    recipe_path = Path(stage_root) / "gate-recipe.toml"  # exactly the recipe being built (tomli_w not needed)
-    recipe_path.write_text(toml_dumps(recipe_mod.to_dict(recipe)))
+    recipe_path = Path(stage_root) / "gate-recipe.toml"  # exactly the recipe being built
+    recipe_path.write_text(tomlwriter.dumps(recipe_mod.to_dict(recipe)))
     repo = Path(__file__).resolve().parent.parent.parent
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(repo), env.get("PYTHONPATH", "")) if p)
