@@ -9,8 +9,8 @@ import zipfile
 import torch
 from pack_kernels import KERNELS, SLOW_MUL, WRONG_SILU, add_unchecked, find_card, tiny_llama_workspace
 
-from forgepack.pack import build_pack
 from forgepack.pack import manifest as manifest_mod
+from forgepack.pack.builder import build_pack
 from forgepack.pack.gate import Timing, decide_pay, decide_use, eager_because, graph_breakers, greedy_agree
 from forgepack.runtime import replaycheck
 

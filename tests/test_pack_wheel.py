@@ -27,8 +27,8 @@ from pack_kernels import tiny_llama_workspace
 
 from forgepack import tomlwriter
 from forgepack.accepted import load_all
-from forgepack.pack import build_pack
 from forgepack.pack import manifest as manifest_mod
+from forgepack.pack.builder import build_pack
 
 REPO = Path(__file__).resolve().parent.parent
 PACKAGE = "forgepack_pack_tiny_llama"
