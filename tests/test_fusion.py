@@ -166,12 +166,11 @@ def test_a_channels_last_pack_warns_about_an_nchw_model(resnet_cl, resnet):
     # Correct either way (guards miss, stock runs), but useless: activate(model=...) says how to fix it.
     from forgepack import runtime
 
-    cl = {"memory_format": "channels_last"}
-    assert runtime.layout_problem(resnet_cl.lm.model, cl) is None
-    problem = runtime.layout_problem(resnet.lm.model, cl)
+    assert runtime.layout_problem(resnet_cl.lm.model, "channels_last") is None
+    problem = runtime.layout_problem(resnet.lm.model, "channels_last")
     assert "model.to(memory_format=torch.channels_last)" in problem
-    assert runtime.layout_problem(resnet.lm.model, {"memory_format": "contiguous"}) is None
-    assert runtime.layout_problem(resnet.lm.model, {}) is None  # packs built before the field existed
+    assert runtime.layout_problem(resnet.lm.model, "contiguous") is None
+    assert runtime.layout_problem(resnet.lm.model, "") is None  # packs built before the field existed
 
 
 def test_gpt2_gelu_chain(gpt2):

@@ -8,6 +8,7 @@ import torch
 from forgepack import opcall
 from forgepack.cards import Arg, Card, TensorMeta
 from forgepack.runtime import selftest, stockcall
+from forgepack.runtime.packinfo import VariantInfo
 
 TO_COPY = "aten._to_copy.default"
 # aten::_to_copy(Tensor self, *, ScalarType? dtype, Layout? layout, Device? device, bool? pin_memory,
@@ -16,10 +17,11 @@ TO_COPY = "aten._to_copy.default"
 RECORDED = ("float16", "strided", "cpu", None, False, "contiguous_format")
 
 
-def _variant() -> dict:
+def _variant() -> VariantInfo:
+    """As the pack reads it from its manifest."""
     meta = {"dtype": "float32", "shape": [2, 3], "stride": [3, 1], "storage_offset": 0}
-    return {"op": TO_COPY, "args": [{"kind": "tensor", "tensor": meta},
-                                    *({"kind": "value", "value": v} for v in RECORDED)]}
+    return VariantInfo.from_dict({"id": "v", "op": TO_COPY, "args": [
+        {"name": "self", "kind": "tensor", "tensor": meta}, *({"kind": "value", "value": v} for v in RECORDED)]})
 
 
 def test_the_self_test_decodes_a_dtype_argument_to_a_torch_dtype():
