@@ -2,7 +2,10 @@
 
 The search only needs `Executor`: ``submit(card, source, samples_path) -> Future[Verdict]`` and
 ``slots`` (how many candidates it can usefully have in flight). `LocalExecutor` implements it on this
-host; a cluster engine can implement the same members.
+host; `forgepack.search.ray_executor.RayExecutor` implements the same members on a Ray cluster
+(`make_executor` picks one by name). Either way a verdict names the object that was verified and
+timed and carries its sha256 (``diagnostics["binary_sha256"]``): the search keeps that exact file,
+and the pack builder refuses a file whose hash differs.
 
 `LocalExecutor`: each source is compiled by a pool of compiler processes (nvcc / g++, several at
 once), then queued to the evaluation workers, one thread per visible GPU (one for cpu), each owning
@@ -17,6 +20,8 @@ candidates at the same time; one GPU never times two at once.
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import inspect
 import math
 import os
@@ -61,7 +66,7 @@ def default_compile_workers(target: str) -> int:
     return max(1, cores - 1 if target == "cuda" else cores // 2)
 
 
-def _compile(source: str, target: str, arch: str | None) -> Any:
+def compile_candidate(source: str, target: str, arch: str | None) -> Any:
     """Compile, unless the source already breaks a static rule: the evaluator then rejects it as
     `static` from the source alone, and nvcc's seconds are saved."""
     from forgepack import staticcheck
@@ -77,6 +82,70 @@ def supported_options(cls: type, options: dict[str, Any]) -> dict[str, Any]:
     """The options `cls` accepts (e.g. a bench-repetition cap that an older Evaluator lacks)."""
     params = inspect.signature(cls).parameters
     return {k: v for k, v in options.items() if k in params}
+
+
+EXECUTORS = ("local", "ray")
+
+
+def file_sha256(path: str | Path) -> str:
+    h = hashlib.sha256()
+    with Path(path).open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def with_object_hash(verdict: Any, sha256: str | None = None) -> Any:
+    """`verdict` with the sha256 of the object it verified in its diagnostics (hashed here unless given)."""
+    if not verdict.binary:
+        return verdict
+    digest = sha256 or file_sha256(verdict.binary)
+    return dataclasses.replace(verdict, diagnostics={**verdict.diagnostics, "binary_sha256": digest})
+
+
+class Pace:
+    """Running mean compile and evaluation times, and the in-flight count they call for.
+
+    Each evaluator needs 1 + compile/evaluate candidates compiling behind the one it evaluates; more
+    would only make the search decide further ahead of its results.
+    """
+
+    def __init__(self, compilers: int, evaluators: int):
+        self.compilers, self.evaluators = compilers, evaluators
+        self._compile_s = 3.0  # seeded with a typical nvcc compile and one evaluation
+        self._evaluate_s = 1.0
+        self._lock = threading.Lock()
+
+    @property
+    def slots(self) -> int:
+        with self._lock:
+            ratio = self._compile_s / max(self._evaluate_s, 1e-3)
+        per_device = 1 + math.ceil(ratio)
+        return max(2, min(self.compilers + self.evaluators, per_device * self.evaluators))
+
+    def observe(self, verdict: Any, compiled: Any, evaluate_s: float) -> None:
+        """Learn from one evaluated candidate (a cache hit or a rejected source says nothing of either)."""
+        with self._lock:
+            if not compiled.cached and compiled.ok:
+                self._compile_s = 0.8 * self._compile_s + 0.2 * compiled.seconds
+            if verdict.category not in ("static", "compile"):
+                self._evaluate_s = 0.8 * self._evaluate_s + 0.2 * evaluate_s
+
+
+def make_executor(kind: str, target: str, arch: str | None = None, margin: float = 0.05,
+                  address: str | None = None, **options: Any) -> Executor:
+    """The executor named `kind` ("local" or "ray"; `address` is the Ray cluster's, default a local one)."""
+    from forgepack.errors import UsageError
+
+    if kind == "local":
+        if address:
+            raise UsageError("--ray-address needs --executor ray")
+        return LocalExecutor(target, arch=arch, margin=margin, **options)
+    if kind == "ray":
+        from forgepack.search.ray_executor import RayExecutor
+
+        return RayExecutor(target, arch=arch, margin=margin, address=address, **options)
+    raise UsageError(f"--executor must be one of {', '.join(EXECUTORS)}, got {kind!r}")
 
 
 class LocalExecutor:
@@ -106,30 +175,17 @@ class LocalExecutor:
         for thread in self._threads:
             thread.start()
         self.workers = workers
-        self._compile_s = 3.0  # running means, seeded with a typical nvcc compile and one evaluation
-        self._evaluate_s = 1.0
-        self._lock = threading.Lock()
+        self.evaluators = len(self.devices)
+        self._pace = Pace(workers, len(self.devices))
 
     @property
     def slots(self) -> int:
-        """Candidates worth having in flight: enough compiling to keep every device busy, no more.
-
-        Each device needs 1 + compile/evaluate candidates compiling behind the one it evaluates; more
-        would only make the search decide further ahead of its results.
-        """
-        with self._lock:
-            ratio = self._compile_s / max(self._evaluate_s, 1e-3)
-        per_device = 1 + math.ceil(ratio)
-        return max(2, min(self.workers + len(self.devices), per_device * len(self.devices)))
-
-    def _observe(self, which: str, seconds: float) -> None:
-        with self._lock:
-            name = f"_{which}_s"
-            setattr(self, name, 0.8 * getattr(self, name) + 0.2 * seconds)
+        """Candidates worth having in flight: enough compiling to keep every device busy, no more."""
+        return self._pace.slots
 
     def submit(self, card: Card, source: str, samples_path: Path | None = None) -> Future:
         result: Future = Future()
-        compiled = self._pool.submit(_compile, source, self.target, self.arch)
+        compiled = self._pool.submit(compile_candidate, source, self.target, self.arch)
         compiled.add_done_callback(lambda done: self._queue.put((card, source, samples_path, done, result)))
         return result
 
@@ -161,13 +217,11 @@ class LocalExecutor:
                     verdict = evaluator.evaluate_compiled(
                         card, built, source, samples_path=samples_path, margin=self.margin, bench=True
                     )
+                    verdict = with_object_hash(verdict)
                 except BaseException as err:  # reported through the future, never lost in a thread
                     result.set_exception(err)
                 else:
-                    if not built.cached and built.ok:
-                        self._observe("compile", built.seconds)
-                    if verdict.category not in ("static", "compile"):
-                        self._observe("evaluate", time.monotonic() - started)
+                    self._pace.observe(verdict, built, time.monotonic() - started)
                     result.set_result(verdict)
         finally:
             if evaluator is not None:
