@@ -26,9 +26,10 @@ import inspect
 import math
 import os
 import queue
+import sys
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Protocol
@@ -42,6 +43,8 @@ class Executor(Protocol):
     def submit(self, card: Card, source: str, samples_path: Path | None = None) -> Future: ...
 
     def close(self) -> None: ...
+
+    def summary(self) -> str: ...  # one line: how many evaluators, and any refused
 
 
 def run_all(executor: Executor, jobs: Iterable[tuple[Card, str, Path | None]]) -> Iterator[Any]:
@@ -132,20 +135,48 @@ class Pace:
                 self._evaluate_s = 0.8 * self._evaluate_s + 0.2 * evaluate_s
 
 
+def check_executor(kind: str, address: str | None = None) -> None:
+    """Bad executor options fail before a build profiles anything."""
+    from forgepack.errors import UsageError
+
+    if kind not in EXECUTORS:
+        raise UsageError(f"--executor must be one of {', '.join(EXECUTORS)}, got {kind!r}")
+    if address and kind != "ray":
+        raise UsageError("--ray-address needs --executor ray")
+    if kind == "ray":
+        from forgepack.search.ray_executor import import_ray
+
+        import_ray()
+
+
 def make_executor(kind: str, target: str, arch: str | None = None, margin: float = 0.05,
                   address: str | None = None, **options: Any) -> Executor:
     """The executor named `kind` ("local" or "ray"; `address` is the Ray cluster's, default a local one)."""
-    from forgepack.errors import UsageError
-
+    check_executor(kind, address)
     if kind == "local":
-        if address:
-            raise UsageError("--ray-address needs --executor ray")
         return LocalExecutor(target, arch=arch, margin=margin, **options)
-    if kind == "ray":
-        from forgepack.search.ray_executor import RayExecutor
+    from forgepack.search.ray_executor import RayExecutor
 
-        return RayExecutor(target, arch=arch, margin=margin, address=address, **options)
-    raise UsageError(f"--executor must be one of {', '.join(EXECUTORS)}, got {kind!r}")
+    return RayExecutor(target, arch=arch, margin=margin, address=address, **options)
+
+
+def build_each(specs: list[str], build_one: Callable[[str], Any], workspace: str | None = None) -> None:
+    """Several recipes in one command, one after another: each gets its own workspace and pack, and all
+    share the executor's cluster (one Ray session per process, its compile registry included). A
+    recipe that fails is reported and the others still build; the command then fails."""
+    from forgepack.errors import ForgepackError, UsageError
+
+    if workspace:
+        raise UsageError("--workspace names one recipe's workspace: leave it out to build several recipes")
+    failed = []
+    for spec in specs:
+        try:
+            build_one(spec)
+        except ForgepackError as err:
+            failed.append(f"{spec}: {err}")
+            print(f"forgepack: {spec} failed: {err}", file=sys.stderr)
+    if failed:
+        raise ForgepackError(f"{len(failed)} of {len(specs)} recipes failed: " + "; ".join(failed))
 
 
 class LocalExecutor:
@@ -182,6 +213,12 @@ class LocalExecutor:
     def slots(self) -> int:
         """Candidates worth having in flight: enough compiling to keep every device busy, no more."""
         return self._pace.slots
+
+    def summary(self) -> str:
+        """One line for the build: how many evaluators it has."""
+        where = f"{self.target} devices {', '.join(map(str, self.devices))}" if self.target == "cuda" else "cpu"
+        return f"local executor: {self.evaluators} evaluator{'s' if self.evaluators != 1 else ''} ({where}), " \
+               f"{self.workers} compilers"
 
     def submit(self, card: Card, source: str, samples_path: Path | None = None) -> Future:
         result: Future = Future()
