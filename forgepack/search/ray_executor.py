@@ -134,26 +134,37 @@ def materialize(compiled: CompiledObject, root: Path | None = None) -> CompileRe
     if hashlib.sha256(compiled.so).hexdigest() != compiled.sha256:
         raise ForgepackError(f"the compiled object for {compiled.result.key[:16]} arrived corrupted")
     entry = (root or objects_root()) / compiled.sha256
-    binary = entry / "kernel.so"
-    if not binary.exists() or file_digest(binary) != compiled.sha256:
-        entry.parent.mkdir(parents=True, exist_ok=True)
-        tmp = entry.parent / f".{compiled.sha256[:16]}.{os.getpid()}.{threading.get_ident()}"
-        tmp.mkdir(parents=True, exist_ok=True)
-        (tmp / "kernel.so").write_bytes(compiled.so)
-        (tmp / "kernel.o").write_bytes(compiled.obj or b"")
-        if entry.exists():  # a damaged entry: replace it
-            import shutil
+    if not _holds(entry, compiled.sha256):
+        _write_entry(entry, compiled)
+    if not _holds(entry, compiled.sha256):
+        raise ForgepackError(f"the object at {entry} does not have the sha256 it was stored under")
+    return dataclasses.replace(compiled.result, binary=str(entry / "kernel.so"))
 
-            shutil.rmtree(entry, ignore_errors=True)
+
+def _holds(entry: Path, sha256: str) -> bool:
+    binary = entry / "kernel.so"
+    return binary.is_file() and (entry / "kernel.o").is_file() and file_digest(binary) == sha256
+
+
+def _write_entry(entry: Path, compiled: CompiledObject) -> None:
+    """Write to a temporary directory and rename it into place; an entry another process put there
+    first is kept when it holds the right bytes (it is read by then), replaced only when damaged."""
+    import shutil
+
+    entry.parent.mkdir(parents=True, exist_ok=True)
+    tmp = entry.parent / f".{entry.name[:16]}.{os.getpid()}.{threading.get_ident()}"
+    tmp.mkdir(parents=True, exist_ok=True)
+    try:
+        (tmp / "kernel.so").write_bytes(compiled.so or b"")
+        (tmp / "kernel.o").write_bytes(compiled.obj or b"")
         try:
             tmp.rename(entry)
-        except OSError:  # another actor on this node won the race; its entry has the same content
-            import shutil
-
-            shutil.rmtree(tmp, ignore_errors=True)
-    if file_digest(binary) != compiled.sha256:
-        raise ForgepackError(f"the object at {binary} does not have the sha256 it was stored under")
-    return dataclasses.replace(compiled.result, binary=str(binary))
+        except OSError:
+            if not _holds(entry, compiled.sha256):
+                shutil.rmtree(entry, ignore_errors=True)
+                tmp.rename(entry)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def file_digest(path: Path) -> str:
@@ -205,6 +216,7 @@ class EvaluatorActor:
         self.refusal = self.identity.mismatch(expected) if expected is not None else None
         self.evaluator = None
         self.busy = False
+        self.evaluated = 0
         if self.refusal is None:
             # Ray shows the actor only its own GPU(s): index 0 is the one it was given.
             self.evaluator = Evaluator(target, device_index=0, timeout_s=timeout_s,
@@ -213,7 +225,7 @@ class EvaluatorActor:
 
     def describe(self) -> dict:
         return {"identity": self.identity, "refusal": self.refusal, "pid": os.getpid(),
-                "node": _node_id(), "busy": self.busy}
+                "node": _node_id(), "busy": self.busy, "evaluated": self.evaluated}
 
     def evaluate(self, card: Card, compiled: CompiledObject, source: str, samples: tuple | None,
                  margin: float) -> tuple[Any, CompileResult]:
@@ -226,6 +238,7 @@ class EvaluatorActor:
             path = materialize_samples(*samples) if samples else None
             verdict = self.evaluator.evaluate_compiled(card, built, source, samples_path=path, margin=margin,
                                                        bench=True)
+            self.evaluated += 1
             return with_object_hash(verdict), built  # hashed from the file that was verified and timed
         finally:
             self.busy = False
@@ -419,7 +432,7 @@ class RayExecutor:
 
     def _evaluate_loop(self, actor: Any) -> None:
         ray = self.ray
-        from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+        from ray.exceptions import RayActorError
 
         while True:
             job = self._queue.get()
@@ -430,10 +443,11 @@ class RayExecutor:
                 verdict, built = ray.get(actor.evaluate.remote(job.card, job.compiled, job.source, job.samples,
                                                                self.margin))
                 verdict = self._local_object(verdict, job)
-            except (RayActorError, ActorUnavailableError) as err:
+            except RayActorError as err:  # the actor's process or node died under the candidate
+                back = self._restarts(actor)  # before a retry: one sent to a restarting actor is lost too
                 if self._lost(job, err):
                     self._queue.put(job)
-                if isinstance(err, ActorDiedError) and not self._restarts(actor):
+                if not back:
                     self._retire()
                     return
                 continue
@@ -441,6 +455,8 @@ class RayExecutor:
                 job.result.set_exception(_cause(err))
                 continue
             self._pace.observe(verdict, built, time.monotonic() - started)
+            if job.lost:  # evaluated on a retry: say what the lost attempts cost
+                verdict = dataclasses.replace(verdict, diagnostics={**verdict.diagnostics, "lost": list(job.lost)})
             job.result.set_result(verdict)
 
     def _lost(self, job: _Job, err: Exception) -> bool:
@@ -457,12 +473,19 @@ class RayExecutor:
         return False
 
     def _restarts(self, actor: Any) -> bool:
-        """Whether Ray brings the actor back (False once its restarts are spent or its node is gone)."""
-        try:
-            self.ray.get(actor.describe.remote(), timeout=START_TIMEOUT_S)
-        except Exception:
-            return False
-        return True
+        """Wait until Ray has brought the actor back; False once its restarts are spent or its node is gone."""
+        from ray.exceptions import ActorDiedError, GetTimeoutError
+
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            try:
+                self.ray.get(actor.describe.remote(), timeout=max(1.0, deadline - time.monotonic()))
+                return True
+            except (ActorDiedError, GetTimeoutError):
+                return False
+            except Exception:  # unavailable while it restarts: ask again
+                time.sleep(0.5)
+        return False
 
     def _retire(self) -> None:
         """An actor is gone for good; when none is left, the waiting candidates fail the build (resumable)."""
