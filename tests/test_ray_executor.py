@@ -40,6 +40,7 @@ BROKEN = (KERNELS / "compile_error.cpp").read_text()
 def cluster(tmp_path_factory):
     """A real two-CPU local cluster for the module; its workers compile into their own cache."""
     cache = tmp_path_factory.mktemp("ray-cache")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     ray.init(num_cpus=2, include_dashboard=False, namespace="forgepack", log_to_driver=False,
              runtime_env={"env_vars": {"FORGEPACK_CACHE": str(cache)}})
     yield cache
@@ -213,7 +214,7 @@ def test_build_two_recipes_through_ray_with_a_shared_cluster(tmp_path):
     second = tmp_path / "tiny-b.toml"
     second.write_text((recipe_mod.BUILTIN_DIR / "tiny-llama.toml").read_text().replace('name = "tiny-llama"',
                                                                                'name = "tiny-llama-b"'))
-    env = {**os.environ, "FORGEPACK_CACHE": str(tmp_path / "cache")}
+    env = {**os.environ, "FORGEPACK_CACHE": str(tmp_path / "cache"), "FORGEPACK_HOME": str(tmp_path)}
     done = subprocess.run([sys.executable, "-m", "forgepack", "build", "tiny-llama", str(second), "--executor", "ray",
                            "--budget", "2", "--target", "cpu", "--no-gate", "--margin", "-0.9"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
@@ -226,3 +227,49 @@ def test_build_two_recipes_through_ray_with_a_shared_cluster(tmp_path):
         kept = accepted_mod.load_all(tmp_path / ".forgepack" / slug)
         assert kept and all(k.binary_sha256 for k in kept)
         assert list((tmp_path / "packs").glob(f"forgepack_pack_{slug}-*.whl"))
+
+
+def store_states(ws: Path) -> list[tuple[int, str, float | None]]:
+    """(candidate id, state, evaluated time), read as another process would."""
+    import sqlite3
+
+    path = ws / "store.sqlite"
+    if not path.exists():
+        return []
+    db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=10)
+    try:
+        return list(db.execute("SELECT id, state, evaluated FROM candidates ORDER BY id"))
+    except sqlite3.OperationalError:  # tables not created yet
+        return []
+    finally:
+        db.close()
+
+
+def test_a_killed_ray_driver_resumes_from_the_store(profiled, tmp_path):
+    ws = tmp_path / "ws"
+    shutil.copytree(profiled, ws)
+    env = {**os.environ, "FORGEPACK_CACHE": str(tmp_path / "cache")}
+    args = [sys.executable, "-m", "forgepack", "build", "tiny-llama", "--executor", "ray", "--budget", "6",
+            "--target", "cpu", "--no-gate", "--margin", "-0.9", "--workspace", str(ws)]
+    proc = subprocess.Popen(args, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    try:
+        def mid_build() -> bool:
+            states = {s for _, s, _ in store_states(ws)}
+            return states == {"evaluated", "pending"} or proc.poll() is not None
+
+        wait_until(mid_build, timeout=300, what="a build with evaluated and pending candidates")
+        assert proc.poll() is None, "the build finished before it could be killed"
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # the driver and the local cluster it started
+        proc.wait()
+    before = store_states(ws)
+    assert any(s == "pending" for _, s, _ in before)
+    done = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "resuming:" in done.stdout + done.stderr
+    after = store_states(ws)
+    assert len(after) >= len(before) and all(s == "evaluated" for _, s, _ in after)
+    # what was evaluated before the kill was not evaluated again
+    evaluated_before = {cid: t for cid, s, t in before if s == "evaluated"}
+    assert {cid: t for cid, _, t in after if cid in evaluated_before} == evaluated_before

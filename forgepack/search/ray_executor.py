@@ -270,6 +270,7 @@ def connect(address: str | None = None, min_cpus: int = 1) -> Any:
     ray = import_ray()
     if ray.is_initialized():
         return ray
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # a build sends nothing anywhere unless asked
     options: dict[str, Any] = {"namespace": NAMESPACE, "log_to_driver": False}
     if address:
         options["address"] = address
