@@ -112,6 +112,9 @@ def test_a_device_unlike_the_target_is_refused_with_the_reason(cluster):
     assert "arch sm_80 differs from the build's sm_90" in dataclasses.replace(a100, name=h200.name).mismatch(h200)
     assert "cuda 12.8 differs" in dataclasses.replace(h200, cuda="12.8").mismatch(h200)
     assert h200.mismatch(h200) is None
+    any_sm90 = dataclasses.replace(h200, name=None)  # a driver without a GPU: the arch it compiles for
+    assert dataclasses.replace(h200, name="NVIDIA H100").mismatch(any_sm90) is None
+    assert "arch sm_80" in a100.mismatch(any_sm90)
 
 
 def kill_when_busy(executor: RayExecutor, old_pid: int | None = None) -> int:
@@ -273,3 +276,25 @@ def test_a_killed_ray_driver_resumes_from_the_store(profiled, tmp_path):
     # what was evaluated before the kill was not evaluated again
     evaluated_before = {cid: t for cid, s, t in before if s == "evaluated"}
     assert {cid: t for cid, _, t in after if cid in evaluated_before} == evaluated_before
+
+
+@pytest.mark.gpu
+def test_one_actor_per_gpu_evaluates_a_cuda_search(cluster, tmp_path):
+    """On a GPU host (needs ray there): one evaluator actor per GPU, each on its own device."""
+    r = recipe_mod.resolve("tiny-llama").replace(target={"device": "cuda"})
+    ws = Workspace(tmp_path / "ws")
+    cards = profile_mod.ensure_profile(r, ws)
+    arch = profile_mod.load_profile(ws).arch
+    with RayExecutor("cuda", arch=arch) as executor:
+        assert executor.evaluators == torch.cuda.device_count() and not executor.refused
+        assert {i["identity"].arch for i in executor.actor_info()} == {arch}
+        settings = run.Settings(budget=4, target="cuda", arch=arch, margin=r.build.margin)
+        search = run.Search(ws, cards, make("templates", target="cuda"), executor, settings)
+        try:
+            result = search.run()
+            evaluated = [c for c in search.store.candidates() if c.state == "evaluated"]
+        finally:
+            search.store.close()
+    assert result.evaluated == len(evaluated) >= 1
+    for k in result.accepted:
+        assert k.binary_sha256 == hashlib.sha256((ws.root / k.binary).read_bytes()).hexdigest()

@@ -65,7 +65,9 @@ def make_arm_executor(kind: str, count: int | None, target: str, arch: str | Non
         devices = visible_devices(target)
         if count is not None:
             devices = devices[:count] if target == "cuda" else [0] * count
-        return LocalExecutor(target, arch=arch, margin=margin, devices=devices, evaluator_options=options)
+        executor = LocalExecutor(target, arch=arch, margin=margin, devices=devices, evaluator_options=options)
+        executor.wait_ready()  # start-up apart, as the Ray executor's constructor waits for its actors
+        return executor
     import ray
 
     from forgepack.search.ray_executor import RayExecutor
@@ -133,6 +135,10 @@ def comparisons(arms: list[dict]) -> dict:
     kernels = {name: tuple(map(tuple, a["accepted"])) for name, a in ran.items()}
     first = next(iter(kernels.values()), ())
     out["same_accepted"] = all(k == first for k in kernels.values())
+    for count in ("1", "2", "all"):  # the executors against each other at the same evaluator count
+        pair = [kernels.get(f"{kind}:{count}") for kind in ("local", "ray")]
+        if None not in pair:
+            out[f"same_accepted_at_{count}"] = pair[0] == pair[1]
     if not out["same_accepted"]:
         union = set().union(*map(set, kernels.values()))
         out["accepted_differences"] = {name: sorted(union - set(k)) for name, k in kernels.items()
@@ -160,6 +166,10 @@ def markdown(info: dict, data: dict) -> str:
     for kind in ("local", "ray"):
         if f"{kind}_scaling_1_to_2" in c:
             text += f"- {kind} scaling 1 -> 2 evaluators: {c[f'{kind}_scaling_1_to_2']:.2f}x (target >= 1.8x)\n"
+    for count in ("1", "2", "all"):
+        if f"same_accepted_at_{count}" in c:
+            text += f"- local:{count} and ray:{count} accepted the same kernels: " \
+                    f"{'yes' if c[f'same_accepted_at_{count}'] else 'NO'}\n"
     text += f"- same accepted kernels on every arm: {'yes' if c['same_accepted'] else 'NO'}\n"
     if not c["same_accepted"]:
         for name, missing in c["accepted_differences"].items():

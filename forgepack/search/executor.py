@@ -200,9 +200,10 @@ class LocalExecutor:
         self._timeout_s = timeout_s
         self._evaluator_options = dict(evaluator_options or {})
         self._threads = [
-            threading.Thread(target=self._evaluate_loop, args=(index,), name=f"evaluate-{index}", daemon=True)
-            for index in self.devices
+            threading.Thread(target=self._evaluate_loop, args=(index, slot), name=f"evaluate-{slot}", daemon=True)
+            for slot, index in enumerate(self.devices)
         ]
+        self._started = [threading.Event() for _ in self._threads]
         for thread in self._threads:
             thread.start()
         self.workers = workers
@@ -230,15 +231,23 @@ class LocalExecutor:
         """Verdicts of (card, source, samples) jobs, in order."""
         return run_all(self, jobs)
 
-    def _evaluate_loop(self, device_index: int) -> None:
+    def wait_ready(self, timeout: float | None = None) -> None:
+        """Block until every evaluator has its worker up (for benchmarks that time evaluation alone)."""
+        for started in self._started:
+            started.wait(timeout)
+
+    def _evaluate_loop(self, device_index: int, slot: int) -> None:
         from forgepack.evaluate import Evaluator
 
         evaluator, broken = None, None
         try:
             evaluator = Evaluator(self.target, device_index=device_index, timeout_s=self._timeout_s,
                                   **supported_options(Evaluator, self._evaluator_options))
+            evaluator.start()  # the worker would start anyway before the first job; now it says when
         except BaseException as err:  # every job then fails with it: the search must not wait forever
             broken = err
+        finally:
+            self._started[slot].set()
         try:
             while True:
                 job = self._queue.get()

@@ -63,7 +63,7 @@ class DeviceIdentity:
     """What must agree between the build's target and an evaluator: timings and objects are per device."""
 
     target: str  # "cuda" | "cpu"
-    name: str  # "NVIDIA H200", or the cpu's processor name
+    name: str | None  # "NVIDIA H200", or the cpu's processor name (None in a target: any)
     arch: str | None  # "sm_90"; None on cpu
     torch: str
     cuda: str | None  # torch's CUDA build; None on cpu
@@ -71,16 +71,26 @@ class DeviceIdentity:
     def describe(self) -> str:
         arch = f" ({self.arch})" if self.arch else ""
         cuda = f", CUDA {self.cuda}" if self.cuda else ""
-        return f"{self.name}{arch}, torch {self.torch}{cuda}"
+        return f"{self.name or 'any ' + self.target + ' device'}{arch}, torch {self.torch}{cuda}"
 
     def mismatch(self, target: DeviceIdentity) -> str | None:
-        """Why this device may not evaluate for `target` (None: it may)."""
+        """Why this device may not evaluate for `target` (None: it may); a target field of None is any."""
         for field in dataclasses.fields(self):
             mine, wanted = getattr(self, field.name), getattr(target, field.name)
-            if mine != wanted:
+            if wanted is not None and mine != wanted:
                 return (f"{field.name} {mine} differs from the build's {wanted} "
                         f"({self.describe()} vs {target.describe()})")
         return None
+
+
+def target_identity(target: str, arch: str | None) -> DeviceIdentity:
+    """The build's target as the driver knows it: its own device, or on a driver without a GPU the
+    arch the build compiles for and this torch build (any device name)."""
+    import torch
+
+    if target == "cuda" and not torch.cuda.is_available():
+        return DeviceIdentity("cuda", None, arch, torch.__version__, torch.version.cuda)
+    return device_identity(target)
 
 
 def device_identity(target: str, device_index: int = 0) -> DeviceIdentity:
@@ -91,7 +101,7 @@ def device_identity(target: str, device_index: int = 0) -> DeviceIdentity:
         return DeviceIdentity("cpu", platform.processor() or platform.machine(), None, torch.__version__, None)
     if not torch.cuda.is_available():
         raise ForgepackError("no CUDA GPU is visible here")
-    props = torch.cuda.get_device_properties(device_index)
+    props = torch.cuda.get_device_properties(device_index)  # CUDA's runtime, no context: nothing is allocated
     return DeviceIdentity("cuda", props.name, f"sm_{props.major}{props.minor}", torch.__version__, torch.version.cuda)
 
 
@@ -335,7 +345,7 @@ class RayExecutor:
             if count == 0:
                 raise ForgepackError("the Ray cluster has no GPU: a cuda build needs at least one")
         self._check_cpus(count, evaluator_cpus, compile_cpus)
-        self.expected = expected or device_identity(target)
+        self.expected = expected or target_identity(target, arch)
         self.compile_cpus = compile_cpus
         self.registry = registry(ray)
         self._samples: dict[Path, tuple[float, Any]] = {}
