@@ -72,6 +72,9 @@ def test_two_evaluators_share_the_work_and_a_source_compiles_once(cluster):
     card = relu_card()
     with RayExecutor("cpu", evaluators=2, evaluator_cpus=0.5, compile_cpus=0.5, timeout_s=60) as executor:
         assert executor.evaluators == 2 and "2 evaluators" in executor.summary()
+        # the evaluators time stock ops with the driver's threads, not the one Ray gives an actor
+        assert all(i["thread_env"]["OMP_NUM_THREADS"] == os.environ.get("OMP_NUM_THREADS")
+                   for i in executor.actor_info())
         futures = [executor.submit(card, src) for src in (RELU, RELU, RELU + "\n// same kernel, new source\n",
                                                           BROKEN)]
         verdicts = [f.result(timeout=300) for f in futures]

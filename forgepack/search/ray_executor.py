@@ -45,6 +45,9 @@ REGISTRY = "forgepack-compiled"
 ACTOR_RESTARTS = 8  # per actor over a build: a node that keeps dying is not worth more
 RETRIES = 1  # evaluations a lost actor costs a candidate before it is a crash
 START_TIMEOUT_S = 600.0
+# Ray sets these to an actor's CPU count (1): a cpu evaluator's stock torch ops would then be timed on
+# one thread, not as the local executor and the user's process run them. The driver's values are passed.
+THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 
 
 def import_ray() -> Any:
@@ -98,11 +101,22 @@ def device_identity(target: str, device_index: int = 0) -> DeviceIdentity:
     import torch
 
     if target != "cuda":
-        return DeviceIdentity("cpu", platform.processor() or platform.machine(), None, torch.__version__, None)
+        return DeviceIdentity("cpu", cpu_name(), None, torch.__version__, None)
     if not torch.cuda.is_available():
         raise ForgepackError("no CUDA GPU is visible here")
     props = torch.cuda.get_device_properties(device_index)  # CUDA's runtime, no context: nothing is allocated
     return DeviceIdentity("cuda", props.name, f"sm_{props.major}{props.minor}", torch.__version__, torch.version.cuda)
+
+
+def cpu_name() -> str:
+    """The processor's model name (Linux), else what `platform` knows (often only "x86_64")."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 # --- the compiled object, by content ------------------------------------------------------------
@@ -219,9 +233,15 @@ class CompileRegistry:
 class EvaluatorActor:
     """One device's `Evaluator`; refuses to evaluate when its device is not the build's target."""
 
-    def __init__(self, target: str, timeout_s: float, options: dict, expected: DeviceIdentity | None):
+    def __init__(self, target: str, timeout_s: float, options: dict, expected: DeviceIdentity | None,
+                 thread_env: dict[str, str | None] | None = None):
         from forgepack.evaluate import Evaluator
 
+        for name, value in (thread_env or {}).items():  # inherited by the Evaluator's worker subprocess
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
         self.identity = device_identity(target)
         self.refusal = self.identity.mismatch(expected) if expected is not None else None
         self.evaluator = None
@@ -235,7 +255,8 @@ class EvaluatorActor:
 
     def describe(self) -> dict:
         return {"identity": self.identity, "refusal": self.refusal, "pid": os.getpid(),
-                "node": _node_id(), "busy": self.busy, "evaluated": self.evaluated}
+                "node": _node_id(), "busy": self.busy, "evaluated": self.evaluated,
+                "thread_env": {name: os.environ.get(name) for name in THREAD_VARS}}
 
     def evaluate(self, card: Card, compiled: CompiledObject, source: str, samples: tuple | None,
                  margin: float) -> tuple[Any, CompileResult]:
@@ -354,7 +375,8 @@ class RayExecutor:
             **resources, max_restarts=ACTOR_RESTARTS, max_task_retries=0, max_concurrency=2,
         )
         options = dict(evaluator_options or {})
-        started = [actor_class.remote(target, timeout_s, options, self.expected) for _ in range(count)]
+        threads = {name: os.environ.get(name) for name in THREAD_VARS}
+        started = [actor_class.remote(target, timeout_s, options, self.expected, threads) for _ in range(count)]
         self.actors, self.refused = self._admit(started)
         self._queue: queue.Queue = queue.Queue()
         self._closed = False
