@@ -80,6 +80,24 @@ def make_arm_executor(kind: str, count: int | None, target: str, arch: str | Non
     return RayExecutor(target, arch=arch, margin=margin, evaluators=evaluators, evaluator_options=options)
 
 
+STATIC_REJECT = (Path(__file__).resolve().parent.parent / "tests" / "kernels" / "cache_static.cpp")
+
+
+def dispatch_latency(executor: Any, card: Any, probes: int) -> float | None:
+    """Median seconds from submit to verdict of a source the static checks reject (nothing compiled,
+    no worker run): what the executor itself adds to each candidate, one candidate in flight."""
+    if probes <= 0 or not STATIC_REJECT.exists():
+        return None
+    source = STATIC_REJECT.read_text()
+    times = []
+    for k in range(probes):
+        started = time.perf_counter()
+        verdict = executor.submit(card, f"{source}\n// probe {k} {time.time_ns()}\n").result()
+        times.append(time.perf_counter() - started)
+        assert verdict.category == "static", verdict.reason
+    return sorted(times)[len(times) // 2]
+
+
 def one_arm(arm: str, r: recipe.Recipe, profiled: Path, root: Path, args: argparse.Namespace, arch: str | None,
             cards_count: int) -> dict:
     kind, count = parse_arm(arm, r.target.device)
@@ -104,6 +122,7 @@ def one_arm(arm: str, r: recipe.Recipe, profiled: Path, root: Path, args: argpar
         result = search.run()
         summary = executor.summary()
         evaluators = executor.evaluators
+        probe_s = dispatch_latency(executor, ws.load_cards()[0], args.probes)
     finally:
         search.store.close()
         executor.close()
@@ -114,20 +133,47 @@ def one_arm(arm: str, r: recipe.Recipe, profiled: Path, root: Path, args: argpar
     after = load()
     per_min = 60.0 * result.evaluated / result.wall_s if result.wall_s else 0.0
     accepted = sorted((k.card_id, k.source_hash[:16]) for k in result.accepted)
+    probe = f", dispatch {1e3 * probe_s:.1f} ms" if probe_s is not None else ""
     print(f"{arm}: {result.evaluated} evaluated in {result.wall_s:.1f} s ({per_min:.1f}/min), start-up "
-          f"{startup_s:.1f} s, {len(accepted)} accepted; {summary}", flush=True)
+          f"{startup_s:.1f} s{probe}, {len(accepted)} accepted; {summary}", flush=True)
     return {"arm": arm, "kind": kind, "evaluators": evaluators, "summary": summary, "startup_s": startup_s,
             "wall_s": result.wall_s, "evaluated": result.evaluated, "per_minute": per_min,
             "s_per_candidate": result.wall_s / max(1, result.evaluated), "accepted": accepted,
-            "stopped": result.stopped, "load_before": before, "load_after": after}
+            "stopped": result.stopped, "load_before": before, "load_after": after, "dispatch_s": probe_s}
+
+
+def median(values: list[float]) -> float:
+    values = sorted(values)
+    mid = len(values) // 2
+    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+
+
+def aggregate(arms: list[dict]) -> dict[str, dict]:
+    """Per arm name over its repeats: median s/candidate, candidates/minute and dispatch latency."""
+    out: dict[str, dict] = {}
+    for a in arms:
+        if "skipped" not in a:
+            out.setdefault(a["arm"], {"runs": []})["runs"].append(a)
+    for entry in out.values():
+        runs = entry["runs"]
+        entry["s_per_candidate"] = median([r["s_per_candidate"] for r in runs])
+        entry["per_minute"] = median([r["per_minute"] for r in runs])
+        probes = [r["dispatch_s"] for r in runs if r.get("dispatch_s") is not None]
+        entry["dispatch_s"] = median(probes) if probes else None
+        entry["accepted"] = runs[0]["accepted"]
+        entry["accepted_runs"] = [r["accepted"] for r in runs]
+    return out
 
 
 def comparisons(arms: list[dict]) -> dict:
-    ran = {a["arm"]: a for a in arms if "skipped" not in a}
+    ran = aggregate(arms)
     out: dict[str, Any] = {}
     local1, ray1 = ran.get("local:1"), ran.get("ray:1")
     if local1 and ray1:
         out["ray_overhead_per_candidate"] = ray1["s_per_candidate"] / local1["s_per_candidate"] - 1.0
+        if local1["dispatch_s"] is not None and ray1["dispatch_s"] is not None:
+            out["ray_dispatch_overhead_s"] = ray1["dispatch_s"] - local1["dispatch_s"]
+            out["ray_dispatch_overhead_fraction"] = out["ray_dispatch_overhead_s"] / local1["s_per_candidate"]
     for kind in ("local", "ray"):
         one, two = ran.get(f"{kind}:1"), ran.get(f"{kind}:2")
         if one and two and one["per_minute"]:
@@ -135,10 +181,11 @@ def comparisons(arms: list[dict]) -> dict:
     kernels = {name: tuple(map(tuple, a["accepted"])) for name, a in ran.items()}
     first = next(iter(kernels.values()), ())
     out["same_accepted"] = all(k == first for k in kernels.values())
-    for count in ("1", "2", "all"):  # the executors against each other at the same evaluator count
-        pair = [kernels.get(f"{kind}:{count}") for kind in ("local", "ray")]
+    for count in ("1", "2", "all"):  # the executors against each other at the same evaluator count, run by run
+        pair = [ran.get(f"{kind}:{count}") for kind in ("local", "ray")]
         if None not in pair:
-            out[f"same_accepted_at_{count}"] = pair[0] == pair[1]
+            runs = list(zip(pair[0]["accepted_runs"], pair[1]["accepted_runs"], strict=False))
+            out[f"same_accepted_at_{count}"] = [a == b for a, b in runs]
     if not out["same_accepted"]:
         union = set().union(*map(set, kernels.values()))
         out["accepted_differences"] = {name: sorted(union - set(k)) for name, k in kernels.items()
@@ -150,26 +197,37 @@ def markdown(info: dict, data: dict) -> str:
     rows = []
     for a in data["arms"]:
         if "skipped" in a:
-            rows.append([a["arm"], "-", "-", "-", "-", "-", "-", f"skipped: {a['skipped']}"])
+            rows.append([a["arm"], "-", "-", "-", "-", "-", "-", "-", "-", f"skipped: {a['skipped']}"])
             continue
-        rows.append([a["arm"], a["evaluators"], a["evaluated"], f"{a['wall_s']:.1f}", f"{a['per_minute']:.1f}",
-                     f"{a['s_per_candidate']:.2f}", f"{a['startup_s']:.1f}", len(a["accepted"])])
+        dispatch = f"{1e3 * a['dispatch_s']:.1f}" if a.get("dispatch_s") is not None else "-"
+        rows.append([a["arm"], a["repeat"], a["evaluators"], a["evaluated"], f"{a['wall_s']:.1f}",
+                     f"{a['per_minute']:.1f}", f"{a['s_per_candidate']:.2f}", dispatch, f"{a['startup_s']:.1f}",
+                     len(a["accepted"])])
     text = benchlib.header_md("Executors: the same search on the local executor and on Ray", info)
     text += (f"recipe {data['recipe']} on {data['target']}, budget {data['budget']} templates calls, "
              f"bench reps {data['bench_reps'] or 'default'}; machine: {data['machine']}\n\n")
-    text += tabulate(rows, headers=["arm", "evaluators", "evaluated", "search s", "cand./min", "s/cand.",
-                                    "start-up s", "accepted"], tablefmt="github") + "\n\n"
+    text += tabulate(rows, headers=["arm", "repeat", "evaluators", "evaluated", "search s", "cand./min", "s/cand.",
+                                    "dispatch ms", "start-up s", "accepted"], tablefmt="github") + "\n\n"
+    medians = [[name, len(e["runs"]), f"{e['per_minute']:.1f}", f"{e['s_per_candidate']:.2f}"]
+               for name, e in aggregate(data["arms"]).items()]
+    text += tabulate(medians, headers=["arm", "runs", "median cand./min", "median s/cand."],
+                     tablefmt="github") + "\n\n"
     c = data["comparisons"]
     if "ray_overhead_per_candidate" in c:
-        text += f"- Ray overhead per candidate at one evaluator: {100 * c['ray_overhead_per_candidate']:+.1f}% " \
-                f"of the local executor's time (target <= 5%)\n"
+        text += f"- Ray overhead per candidate at one evaluator (median s/candidate over repeats): " \
+                f"{100 * c['ray_overhead_per_candidate']:+.1f}% of the local executor's time (target <= 5%)\n"
+    if "ray_dispatch_overhead_s" in c:
+        text += f"- Ray's own dispatch cost per candidate (static-rejected probes, submit to verdict, one in " \
+                f"flight): {1e3 * c['ray_dispatch_overhead_s']:+.1f} ms over the local executor's, " \
+                f"{100 * c['ray_dispatch_overhead_fraction']:.1f}% of a local candidate's time\n"
     for kind in ("local", "ray"):
         if f"{kind}_scaling_1_to_2" in c:
             text += f"- {kind} scaling 1 -> 2 evaluators: {c[f'{kind}_scaling_1_to_2']:.2f}x (target >= 1.8x)\n"
     for count in ("1", "2", "all"):
         if f"same_accepted_at_{count}" in c:
-            text += f"- local:{count} and ray:{count} accepted the same kernels: " \
-                    f"{'yes' if c[f'same_accepted_at_{count}'] else 'NO'}\n"
+            same = c[f"same_accepted_at_{count}"]
+            text += f"- local:{count} and ray:{count} accepted the same kernels, run by run: " \
+                    f"{', '.join('yes' if x else 'NO' for x in same)}\n"
     text += f"- same accepted kernels on every arm: {'yes' if c['same_accepted'] else 'NO'}\n"
     if not c["same_accepted"]:
         for name, missing in c["accepted_differences"].items():
@@ -177,7 +235,7 @@ def markdown(info: dict, data: dict) -> str:
     text += "\nload (uptime) before / after each arm:\n\n"
     for a in data["arms"]:
         if "skipped" not in a:
-            text += f"- {a['arm']}: `{a['load_before']}` / `{a['load_after']}`\n"
+            text += f"- {a['arm']} (repeat {a['repeat']}): `{a['load_before']}` / `{a['load_after']}`\n"
     return text
 
 
@@ -189,6 +247,8 @@ def main() -> None:
     parser.add_argument("--arms", default="local:1,ray:1,ray:2")
     parser.add_argument("--bench-reps", type=int, default=None, help="interleaved pairs per benchmark")
     parser.add_argument("--name", default="bench_executor")
+    parser.add_argument("--repeat", type=int, default=1, help="runs of the arm list, every other one reversed")
+    parser.add_argument("--probes", type=int, default=15, help="static-rejected submissions timed per arm")
     args = parser.parse_args()
     r = recipe.resolve(args.recipe)
     if args.target:
@@ -203,10 +263,16 @@ def main() -> None:
         print(f"profiled {r.name} on {r.target.device} in {time.monotonic() - t0:.0f} s: {len(cards)} cards",
               flush=True)
         arch = profile.load_profile(workspace.Workspace(profiled)).arch if r.target.device == "cuda" else None
-        arms = [one_arm(arm, r, profiled, root, args, arch, len(cards)) for arm in args.arms.split(",")]
+        names = args.arms.split(",")
+        arms = []
+        for repeat in range(args.repeat):  # ABBA: an arm's place in the order (warm caches, load) evens out
+            for arm in names if repeat % 2 == 0 else names[::-1]:
+                arms.append({**one_arm(arm, r, profiled, root / f"run{repeat}", args, arch, len(cards)),
+                             "repeat": repeat})
     import platform
 
     data = {"recipe": r.name, "target": r.target.device, "budget": args.budget, "bench_reps": args.bench_reps,
+            "repeat": args.repeat,
             "machine": f"{platform.node()} {platform.machine()}, {os.cpu_count()} cores, {benchlib.device_name()}",
             "arms": arms, "comparisons": comparisons(arms), **info}
     benchlib.write(args.name, data, markdown(info, data))
