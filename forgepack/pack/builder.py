@@ -135,6 +135,8 @@ def _select_reason(ws, k: AcceptedKernel, card: Card | None, target: str, arch: 
         return f"speed-up {k.speedup:.3f}x is below the margin ({1.0 + margin:.3f}x)"
     if not k.binary or not (ws.root / k.binary).is_file():
         return f"the verified object {k.binary or '(none)'} is missing"
+    if k.binary_sha256 and _sha256(ws.root / k.binary) != k.binary_sha256:
+        return f"{k.binary} is not the object that was verified and timed (its sha256 differs from {k.binary_sha256})"
     if card.kind == "fusion":
         return fusedgen.unsupported_reason(card, target)
     return shimgen.unsupported_reason(card, target, includes)
