@@ -1,16 +1,10 @@
-"""Every tolerance forgepack holds an output to, by purpose and output dtype (one table per purpose).
+"""Tolerances, one table per purpose, by output dtype (the runtime holds them; the build side imports
+them): kernel against stock (`TOLERANCES`), the model with the pack against stock (`MODEL_RTOL`: max
+|pack - stock| over max |stock|, the gate), a graph replay against eager (`REPLAY_TOLERANCES`).
 
-- kernel (`TOLERANCES`, `tolerance`): a kernel's output against the stock op's, element by element.
-  The verifier accepts kernels with it and writes it into the manifest, where the pack's self-test
-  reads it.
-- model (`MODEL_RTOL`, `model_rtol`): a whole model's output with the pack against stock (the gate,
-  and graph replay in the gate): max |pack - stock| over max |stock| of the output tensor.
-- replay (`REPLAY_TOLERANCES`): a graph replay against the eager call, element by element
-  (`replaycheck.verify_replay`'s default).
+The kernel table: how close a kernel's output must be to stock PyTorch's.
 
-Part of the pack runtime (the lowest layer): the build side imports it from here.
-
-The kernel tolerance: an element passes when ``|out - ref| <= atol + rtol * |ref|`` (both finite), or both are NaN, or
+An element passes when ``|out - ref| <= atol + rtol * |ref|`` (both finite), or both are NaN, or
 both are the same infinity. Integer and bool outputs must match exactly (bitwise).
 
 The float tolerances are a few units in the last place of each dtype, so a kernel may reorder a
@@ -64,24 +58,18 @@ def describe(dtype: str) -> str:
     return "exact" if tol is None else tol.describe()
 
 
-# Model-level tolerance: max |pack - stock| over max |stock| of the output tensor. Per-op kernels are
-# accepted at a few ulp (`TOLERANCES`); through a few dozen layers that grows by about an order of
-# magnitude, and bf16 logits of a patched model typically differ by 1-2% (Liger: 1.8%).
+# Through a few dozen layers a few ulp per op grow by about an order of magnitude (bf16 logits of a
+# patched model typically differ by 1-2%; Liger: 1.8%).
 MODEL_RTOL = {"float64": 1e-6, "float32": 1e-3, "float16": 1e-2, "bfloat16": 5e-2}
 
 
 def model_rtol(dtype: str) -> float:
-    """The model tolerance for a model's dtype name ("bfloat16")."""
     return MODEL_RTOL.get(dtype, 1e-3)
 
 
-# Replay against eager, per output dtype. Replay runs the same kernels as eager, but libraries take
-# capture-safe paths under capture (transformers builds an explicit attention mask instead of
-# `is_causal`), so low-precision outputs may differ by a few ulps; a stale or wrong replay differs by
-# far more. Other dtypes (integers, bool): exact.
+# Replay runs eager's kernels, but under capture libraries take capture-safe paths (an explicit mask
+# for `is_causal`): a few ulps in low precision; a stale replay is far off. Other dtypes: exact.
 REPLAY_TOLERANCES: dict[str, Tolerance] = {
-    "float64": Tolerance(1e-7, 1e-7),
-    "float32": Tolerance(1e-4, 1e-4),
-    "float16": Tolerance(1e-2, 1e-2),
-    "bfloat16": Tolerance(3e-2, 3e-2),
+    "float64": Tolerance(1e-7, 1e-7), "float32": Tolerance(1e-4, 1e-4),
+    "float16": Tolerance(1e-2, 1e-2), "bfloat16": Tolerance(3e-2, 3e-2),
 }
