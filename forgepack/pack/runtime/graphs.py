@@ -998,12 +998,15 @@ def _converting_sdpa(original: Callable) -> Callable:
 def _additive_mask(masks: dict, mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A boolean mask as SDPA would convert it, converted once per capture (every layer gets the same
     mask object from the model)."""
+    # An inference tensor (a capture under torch.inference_mode()) keeps no version counter: reading
+    # `_version` raises, and failed every such capture on the H200. Its version reads as None, and one
+    # mask object is not written between the layers of one forward.
     hit = masks.get(id(mask))
-    if hit is not None and hit[0] is mask and hit[1] == mask._version:
+    if hit is not None and hit[0] is mask and hit[1] == _version(mask):
         return hit[2]
     additive = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(
         mask.logical_not(), _MASKED.get(dtype, float("-inf")))
-    masks[id(mask)] = (mask, mask._version, additive)  # holds the mask: its id stays its own
+    masks[id(mask)] = (mask, _version(mask), additive)  # holds the mask: its id stays its own
     return additive
 
 
