@@ -249,7 +249,9 @@ class Server:
         return _Request(rows, bucket, cache, True, _plain_static(cache), length), ""
 
     def _cache(self, rows: int, length: int) -> Any:
-        key = (rows, length)
+        # Tensors made under inference_mode cannot be written outside it (reset() would raise), so each
+        # mode has caches of its own (their graphs are apart anyway: the mode is part of every key).
+        key = (rows, length, torch.is_inference_mode_enabled())
         if key not in self._caches:
             from transformers import StaticCache
 
@@ -317,7 +319,8 @@ class Server:
                         continue
                     done.add((bucket, prompt, cache_len))
                     ids = torch.randint(0, vocab, (bucket, length), device=device)
-                    for _ in range(self.graphed.warmup + 1):
+                    # a fresh cache's first prefill is a signature of its own (no buffers yet): one more round
+                    for _ in range(self.graphed.warmup + 2):
                         self._serve(ids, (), {"attention_mask": torch.ones_like(ids), "max_new_tokens": steps,
                                               "min_new_tokens": steps, "do_sample": False,
                                               "pad_token_id": 0}, cache_len)
