@@ -319,3 +319,31 @@ def test_gpu_inference_mode_capture(tiny_llama_dir):
         assert stats["buckets"]["prefill b2 s16 c64"]["replays"] == 1, stats
     finally:
         serving.stop(model)
+
+
+# --- the serving benchmark -----------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_bench_serve_smoke_on_cpu(tmp_path, monkeypatch):
+    """tools/bench_serve.py end to end on the tiny model: eager and the served path agree with eager
+    teacher-forced, and the results land as JSON and markdown with date, device, commit and command."""
+    import json
+    import sys
+    from pathlib import Path
+
+    tools = Path(__file__).resolve().parent.parent / "tools"
+    monkeypatch.syspath_prepend(str(tools))
+    import bench_serve
+
+    monkeypatch.setattr(sys, "argv", ["bench_serve.py", "--models", "tiny-llama", "--requests", "3", "--batches",
+                                      "1,3", "--prompt", "16,40", "--new", "6,10", "--rounds", "1", "--agree", "1",
+                                      "--out", str(tmp_path)])
+    assert bench_serve.main() == 0
+    data = json.loads((tmp_path / "results" / "bench_serve.json").read_text())
+    assert {"date", "gpu", "commit", "command"} <= set(data)
+    cols = data["results"]["tiny-llama"]["columns"]
+    assert set(cols) >= {"eager", "graphs"}
+    assert cols["graphs"]["top1"] == 1.0 and cols["graphs"]["max_err_over_scale"] < 1e-4
+    assert cols["graphs"]["serving"]["graphs"]["replays"] > 0
+    assert "| graphs" in (tmp_path / "results" / "bench_serve.md").read_text()
