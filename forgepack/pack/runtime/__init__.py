@@ -268,12 +268,13 @@ def _activate(strict: bool) -> bool:
     return True
 
 
-def warmup(model: Any, batch_sizes=None, prompt_lengths=(16,), max_new_tokens=(64,), **options: Any) -> dict:
+def warmup(model: Any, batch_sizes=None, prompt_lengths=(16,), max_new_tokens=(64,), shapes=None,
+           **options: Any) -> dict:
     """Capture `model.generate()`'s graphs for these buckets before the first request (see serving.py);
     returns the server's `stats()`."""
     from . import serving
 
-    return serving.warmup(model, batch_sizes, prompt_lengths, max_new_tokens, **options)
+    return serving.warmup(model, batch_sizes, prompt_lengths, max_new_tokens, shapes, **options)
 
 
 def deactivate() -> None:

@@ -297,33 +297,33 @@ class Server:
 
     # -- warm-up and introspection -----------------------------------------------------------------------
 
-    def warmup(self, batch_sizes=None, prompt_lengths=(16,), max_new_tokens=(64,)) -> dict[str, Any]:
+    def warmup(self, batch_sizes=None, prompt_lengths=(16,), max_new_tokens=(64,), shapes=None) -> dict[str, Any]:
         """Capture the graphs of these buckets before the first request: for every batch size, prompt
-        length and number of new tokens, a few short greedy `generate` calls on random tokens with the
-        cache length such a request gets (warm-up calls, then the capture). Returns `stats()`."""
-        batch_sizes = batch_sizes or self.options.batch_buckets
-        new_tokens = (max_new_tokens,) if isinstance(max_new_tokens, int) else tuple(max_new_tokens)
-        lengths = (prompt_lengths,) if isinstance(prompt_lengths, int) else tuple(prompt_lengths)
+        length and number of new tokens (or every (batch, prompt length, new tokens) in `shapes`), a few
+        short greedy `generate` calls on random tokens with the cache length such a request gets (warm-up
+        calls, then the capture). Run it in the mode requests come in (`torch.inference_mode()` keys
+        graphs and caches of its own). Returns `stats()`."""
+        if shapes is None:
+            new_tokens = (max_new_tokens,) if isinstance(max_new_tokens, int) else tuple(max_new_tokens)
+            lengths = (prompt_lengths,) if isinstance(prompt_lengths, int) else tuple(prompt_lengths)
+            shapes = [(b, p, n) for b in batch_sizes or self.options.batch_buckets for p in lengths for n in new_tokens]
         device = next(self.model.parameters()).device
         cap = int(getattr(self.model.config, "max_position_embeddings", None) or self.options.max_cache_len)
         steps = self.graphed.warmup + 2  # decode: warm-ups, the capture, a replay
-        done = set()
         vocab = int(getattr(self.model.config, "vocab_size", 2) or 2)
-        for rows in batch_sizes:
+        done = set()
+        for rows, length, new in shapes:
             bucket = self.options.batch_bucket(rows) or rows
-            for length in lengths:
-                prompt = self.options.prompt_bucket(length)
-                for new in new_tokens:
-                    cache_len = self.options.cache_length(max(prompt, length + new), cap)
-                    if cache_len is None or (bucket, prompt, cache_len) in done:
-                        continue
-                    done.add((bucket, prompt, cache_len))
-                    ids = torch.randint(0, vocab, (bucket, length), device=device)
-                    # a fresh cache's first prefill is a signature of its own (no buffers yet): one more round
-                    for _ in range(self.graphed.warmup + 2):
-                        self._serve(ids, (), {"attention_mask": torch.ones_like(ids), "max_new_tokens": steps,
-                                              "min_new_tokens": steps, "do_sample": False,
-                                              "pad_token_id": 0}, cache_len)
+            prompt = self.options.prompt_bucket(length)
+            cache_len = self.options.cache_length(max(prompt, length + new), cap)
+            if cache_len is None or (bucket, prompt, cache_len) in done:
+                continue
+            done.add((bucket, prompt, cache_len))
+            ids = torch.randint(0, vocab, (bucket, length), device=device)
+            # a fresh cache's first prefill is a signature of its own (no buffers yet): one more round
+            for _ in range(self.graphed.warmup + 2):
+                self._serve(ids, (), {"attention_mask": torch.ones_like(ids), "max_new_tokens": steps,
+                                      "min_new_tokens": steps, "do_sample": False, "pad_token_id": 0}, cache_len)
         return self.stats()
 
     def stats(self) -> dict[str, Any]:
@@ -363,9 +363,10 @@ def server(model: Any) -> Server | None:
     return _SERVERS.get(model)
 
 
-def warmup(model: Any, batch_sizes=None, prompt_lengths=(16,), max_new_tokens=(64,), **options: Any) -> dict:
+def warmup(model: Any, batch_sizes=None, prompt_lengths=(16,), max_new_tokens=(64,), shapes=None,
+           **options: Any) -> dict:
     """Capture before the first request (installs a server with `options` first if there is none)."""
-    return serve(model, **options).warmup(batch_sizes, prompt_lengths, max_new_tokens)
+    return serve(model, **options).warmup(batch_sizes, prompt_lengths, max_new_tokens, shapes)
 
 
 def stop(model: Any) -> bool:
