@@ -278,6 +278,55 @@ def test_stop_restores_generate_and_the_forward():
     assert "generate" not in vars(model) and "forward" not in vars(model) and serving.server(model) is None
 
 
+def test_sampling_draws_what_eager_draws(pair):
+    """generate() samples from the real rows only: with the same seed, the same draws as eager."""
+    model, twin = pair
+    serving.serve(model, **EMU, **SMALL)
+    ids = torch.randint(1, 256, (3, 9))
+    with torch.no_grad():
+        for seed in (1, 2, 3):
+            torch.manual_seed(seed)
+            out = model.generate(ids, max_new_tokens=6, do_sample=True, top_k=0, pad_token_id=0)
+            torch.manual_seed(seed)
+            assert torch.equal(out, twin.generate(ids, max_new_tokens=6, do_sample=True, top_k=0, pad_token_id=0))
+
+
+def test_activate_serves_generate_and_deactivate_gives_it_back(tiny_llama_dir, monkeypatch):
+    """The pack's wiring: activate(graphs=True, model=...) installs the server (serve=False only graph
+    mode on the forward), and deactivate() gives generate() back before graph mode goes."""
+    from forgepack.pack import runtime
+
+    monkeypatch.setattr(runtime, "manifest", lambda: {"graphs": {}})
+    monkeypatch.setattr(runtime, "_fused", lambda: None)
+    monkeypatch.setitem(runtime._STATE, "loaded", False)
+    model = load(tiny_llama_dir)
+    runtime._enable_graphs(model, {"backend": "emulate", "cache_lengths": (64,)})
+    assert serving.server(model) is not None and "generate" in vars(model)
+    assert serving.server(model).options.cache_lengths == (64,)
+    runtime.deactivate()
+    assert serving.server(model) is None and "generate" not in vars(model) and "forward" not in vars(model)
+    runtime._enable_graphs(model, {"backend": "emulate", "serve": False})
+    assert serving.server(model) is None and isinstance(model.forward, graphs.GraphedForward)
+    runtime.deactivate()
+    assert "forward" not in vars(model)
+
+
+def test_serving_imports_only_torch_the_standard_library_and_graphs():
+    import ast
+    import sys
+    from pathlib import Path
+
+    roots = set()
+    for node in ast.walk(ast.parse(Path(serving.__file__).read_text())):
+        if isinstance(node, ast.Import):
+            roots |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level:
+            assert node.module is None and [a.name for a in node.names] == ["graphs"], ast.dump(node)
+        elif isinstance(node, ast.ImportFrom):
+            roots.add(node.module.split(".")[0])
+    assert roots - {"torch", "__future__", "transformers"} <= set(sys.stdlib_module_names), roots
+
+
 # --- real CUDA graphs ----------------------------------------------------------------------------------
 
 
