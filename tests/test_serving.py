@@ -137,6 +137,22 @@ def test_generate_replays_and_matches_eager_teacher_forced(pair):
     assert stats["served_requests"] == 4 and not stats["eager_requests"]
 
 
+def test_a_static_cache_implementation_gets_forgepack_s_cache(pair):
+    """cache_implementation="static", asked in the call or by the model's generation config, would build a
+    new cache per call (no graph could be reused): forgepack's bucketed cache serves it instead."""
+    model, twin = pair
+    server = serving.serve(model, **EMU, **SMALL)
+    model.generation_config.cache_implementation = "static"
+    ids = torch.randint(1, 256, (2, 9))
+    with torch.no_grad():
+        for _ in range(2):
+            out = model.generate(ids, max_new_tokens=5, do_sample=False, pad_token_id=0)
+            assert torch.equal(out, twin.generate(ids, max_new_tokens=5, do_sample=False, pad_token_id=0))
+            model.generate(ids, max_new_tokens=5, do_sample=False, pad_token_id=0, cache_implementation="static")
+    assert server.stats()["caches"] == [(2, 64, False)] and server.stats()["served_requests"] == 4
+    assert server.stats()["buckets"]["decode b2 c64"]["replays"] == 4 * 4 - 2
+
+
 def test_a_left_padded_batch_matches_eager(pair):
     """A caller's padding mask (left padding, as tokenizers give it for generation) goes through the
     4D mask generate builds; padded query rows copy the last real row, so nothing is empty or NaN."""

@@ -194,8 +194,8 @@ class Server:
     def _run(self, request: _Request | None, inputs: Any, args: tuple, kwargs: dict) -> Any:
         kwargs = dict(kwargs)
         if request is not None:
-            if request.own:
-                kwargs.pop("cache_implementation", None)
+            if request.own:  # in place of what a generation config may ask for (transformers refuses both)
+                kwargs["cache_implementation"] = None
                 kwargs.pop("past_key_values", None)
                 kwargs[self.cache_key] = request.cache
             if self.options.disable_compile:
