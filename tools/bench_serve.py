@@ -4,8 +4,9 @@ Columns (same model object, same trace, rounds interleaved in a rotating order):
 - `eager`: `generate()` as transformers runs it (default dynamic cache);
 - `pack`: a kernel pack active (`--pack WHEEL_OR_IMPORT_NAME`), default cache;
 - `pack+graphs` (`graphs` without a pack): forgepack's served `generate()` (serving.py): its static
-  cache per batch bucket, padded batch and prompt buckets, decode replayed from CUDA graphs; the
-  buckets of the trace are captured by `warmup()` first (its time is reported as `ready s`);
+  cache per batch bucket, padded batch and prompt buckets, decode replayed from CUDA graphs; its first
+  request runs right after `activate()` (`ready s`) and captures lazily, then `warmup()` captures the
+  trace's buckets before the rounds (`warmup s`);
 - `static+compile`: `cache_implementation="static"`, transformers compiles the forward itself (CUDA);
 - `reduce-overhead`: `model.forward = torch.compile(model.forward, mode="reduce-overhead",
   fullgraph=True)` with the static cache, as transformers documents it (CUDA).
@@ -44,6 +45,8 @@ from forgepack import models, recipe
 from forgepack.pack.runtime import graphs, serving
 
 CUDA_MODELS = ["llama-1b-decode", "qwen2-0.5b-prefill"]
+HEADERS = ["column", "tokens/s", "s/request", "vs eager", "ready s", "first request s", "warmup s", "peak GiB",
+           "err/scale", "top-1", "step ms", "GPU ms", "host ms (wall - GPU)"]
 
 
 def parse_pair(text: str) -> tuple[int, int]:
@@ -70,9 +73,10 @@ def prompts(trace: list[dict], vocab: int, device: torch.device, seed: int) -> l
 class Column:
     """One way of serving: `generate(ids, new)`; `enter`/`leave` bracket each of its turns."""
 
-    def __init__(self, name: str, kwargs: dict | None = None, enter=None, leave=None, first=None):
+    def __init__(self, name: str, kwargs: dict | None = None, enter=None, leave=None, first=None, prepare=None):
         self.name, self.kwargs = name, kwargs or {}
         self.enter, self.leave, self.first = enter or (lambda: None), leave or (lambda: None), first
+        self.prepare = prepare  # after the cold first request, before the rounds (graphs: capture the trace)
         self.times: list[float] = []
         self.tokens = 0
         self.info: dict[str, Any] = {}
@@ -124,14 +128,17 @@ def columns_for(model, pack, args, trace, device) -> list[Column]:
     # not a performance number.
     backend = {} if device.type == "cuda" else {"backend": "emulate"}
 
-    def graphs_first():  # activate and capture the trace's buckets: the time until the first request
+    def graphs_first():  # activate: the first request then captures lazily, as a new user's would
         if pack:
             pack.activate(graphs=True, model=model, **backend)
         else:
             serving.serve(model, **backend)
+
+    def graphs_prepare():  # the trace's buckets captured before the rounds, as a server would at start
         serving.warmup(model, shapes=[(r["batch"], r["prompt"], r["new"]) for r in trace])
 
-    cols.append(Column("pack+graphs" if pack else "graphs", enter=graphs_enter, leave=graphs_leave, first=graphs_first))
+    cols.append(Column("pack+graphs" if pack else "graphs", enter=graphs_enter, leave=graphs_leave, first=graphs_first,
+                       prepare=graphs_prepare))
     if device.type == "cuda" and not args.no_compile:
         cols.append(Column("static+compile", {"cache_implementation": "static"},
                            first=lambda: torch._dynamo.reset()))
@@ -205,6 +212,8 @@ def bench_model(name: str, args, pack) -> dict:
         col.enter()
         first, _ = timed(lambda c=col: c.generate(model, ids_list[0], trace[0]["new"]), device)
         col.info.update({"ready_s": round(ready, 3), "first_request_s": round(first, 3)})
+        if col.prepare:
+            col.info["warmup_s"] = round(timed(col.prepare, device)[0], 3)
         with torch.no_grad():
             col.info.update(agreement(col, model, twin_forward, ids_list, trace, args.agree))
         col.info.update(profile_step(col, model, ids_list[0][:1], min(64, trace[0]["new"]), device))
@@ -250,14 +259,11 @@ def markdown(info: dict, results: dict, args) -> str:
         rows = []
         for col, v in res["columns"].items():
             rows.append([col, v["tokens_per_s"], v["s_per_request"], v["vs_eager"], v.get("ready_s"),
-                         v.get("first_request_s"), v.get("peak_gib") and round(v["peak_gib"], 2),
+                         v.get("first_request_s"), v.get("warmup_s"), v.get("peak_gib") and round(v["peak_gib"], 2),
                          v.get("max_err_over_scale") is not None and f"{v['max_err_over_scale']:.2e}",
                          v.get("top1") is not None and f"{v['top1']:.4f}", v.get("step_ms"), v.get("gpu_ms"),
                          v.get("host_ms")])
-        text += f"## {name}\n\n" + tabulate(rows, headers=["column", "tokens/s", "s/request", "vs eager", "ready s",
-                                                          "first request s", "peak GiB", "err/scale", "top-1",
-                                                          "step ms", "GPU ms", "host ms (wall - GPU)"],
-                                        tablefmt="github") + "\n\n"
+        text += f"## {name}\n\n" + tabulate(rows, headers=HEADERS, tablefmt="github") + "\n\n"
     return text
 
 
