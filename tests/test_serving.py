@@ -9,6 +9,7 @@ GPU (`gpu` marker): the same with real CUDA graphs.
 
 from __future__ import annotations
 
+import copy
 import logging
 
 import pytest
@@ -290,6 +291,8 @@ def test_stop_restores_generate_and_the_forward():
     server = serving.serve(model, **EMU)
     assert serving.serve(model) is server and serving.server(model) is server
     assert "generate" in vars(model) and isinstance(model.forward, graphs.GraphedForward)
+    twin = copy.deepcopy(model)  # the copy must not serve through the original's server
+    assert twin.generate.__self__ is twin and serving.server(twin) is None
     assert serving.stop_all() == 1
     assert "generate" not in vars(model) and "forward" not in vars(model) and serving.server(model) is None
 

@@ -143,6 +143,24 @@ class _Bucketed:
         return self.server._forward(request, kwargs)
 
 
+class _ServedGenerate:
+    """`model.generate` while served. A deep copy of the model gets its class's own `generate` back
+    (a plain function would be shared by the copy, and serve the original model)."""
+
+    def __init__(self, server: Server):
+        self.server = server
+        functools.update_wrapper(self, server._original, updated=())
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.server.generate(*args, **kwargs)
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        twin = memo.get(id(self.server.model))
+        if twin is None:
+            return self
+        return type(twin).generate.__get__(twin)
+
+
 class Server:
     """Graph mode inside one model's `generate()`. Use `serve(model)` to install one."""
 
@@ -164,13 +182,7 @@ class Server:
         had = "generate" in vars(model)
         self._restore = (had, vars(model).get("generate"))
         self._original = vars(model)["generate"] if had else type(model).generate.__get__(model)
-        original = self._original
-
-        @functools.wraps(original)
-        def generate(*args: Any, **kwargs: Any) -> Any:
-            return self.generate(*args, **kwargs)
-
-        vars(model)["generate"] = generate
+        vars(model)["generate"] = _ServedGenerate(self)
         _SERVERS[model] = self
         if options.disable_compile:
             _LOG.info("forgepack graph mode serves %s.generate(): transformers' automatic torch.compile is off "
