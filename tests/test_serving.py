@@ -410,10 +410,10 @@ def test_bench_serve_smoke_on_cpu(tmp_path, monkeypatch):
                                       "1,3", "--prompt", "16,40", "--new", "6,10", "--rounds", "1", "--agree", "1",
                                       "--out", str(tmp_path)])
     assert bench_serve.main() == 0
-    data = json.loads((tmp_path / "results" / "bench_serve.json").read_text())
+    data = json.loads((tmp_path / "results" / "bench_serve-tiny-llama.json").read_text())
     assert {"date", "gpu", "commit", "command"} <= set(data)
     cols = data["results"]["tiny-llama"]["columns"]
     assert set(cols) >= {"eager", "graphs"}
     assert cols["graphs"]["top1"] == 1.0 and cols["graphs"]["max_err_over_scale"] < 1e-4
     assert cols["graphs"]["serving"]["graphs"]["replays"] > 0
-    assert "| graphs" in (tmp_path / "results" / "bench_serve.md").read_text()
+    assert "| graphs" in (tmp_path / "results" / "bench_serve-tiny-llama.md").read_text()

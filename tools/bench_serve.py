@@ -20,7 +20,7 @@ rest of the wall time) per decode step. Greedy decoding, `min_new_tokens = max_n
 
     python tools/bench_serve.py                                 # CUDA: llama-1b and qwen2-0.5b shapes
     python tools/bench_serve.py --models tiny-llama --requests 4 --prompt 16,64 --new 8,16   # CPU smoke
-Output: `<out>/bench_serve.json` and `.md` (date, device, commit, command).
+Output: `<out>/results/bench_serve-<models>.json` and `.md` (date, device, commit, command).
 """
 
 from __future__ import annotations
@@ -295,9 +295,9 @@ def main() -> int:
     pack = load_pack(args.pack)
     info = benchlib.meta()
     results = {name: bench_model(name, args, pack) for name in names}
-    folder = benchlib.write("bench_serve", {**info, "args": {k: v for k, v in vars(args).items()},
-                                            "results": results}, markdown(info, results, args))
-    print(f"wrote {folder}/bench_serve.json and .md")
+    name = "bench_serve-" + "-".join(names)  # one run per model can share an --out folder
+    folder = benchlib.write(name, {**info, "args": dict(vars(args)), "results": results}, markdown(info, results, args))
+    print(f"wrote {folder}/{name}.json and .md")
     return 0
 
 
