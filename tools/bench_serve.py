@@ -10,6 +10,8 @@ Columns (same model object, same trace, rounds interleaved in a rotating order):
 - `static+compile`: `cache_implementation="static"`, transformers compiles the forward itself (CUDA);
 - `reduce-overhead`: `model.forward = torch.compile(model.forward, mode="reduce-overhead",
   fullgraph=True)` with the static cache, as transformers documents it (CUDA).
+The compiled columns run the trace once before the rounds (`warmup s`: every shape compiled), as the
+graphs column captures its buckets; past `--budget-s` their turns are skipped, and the table says so.
 
 Reported per column: tokens/s over the rounds (real rows x new tokens), seconds per request, the first
 request's latency in a cold column (capture or compile included; dynamo is reset before each compiled
@@ -45,8 +47,9 @@ from forgepack import models, recipe
 from forgepack.pack.runtime import graphs, serving
 
 CUDA_MODELS = ["llama-1b-decode", "qwen2-0.5b-prefill"]
+COMPILED = ("static+compile", "reduce-overhead")
 HEADERS = ["column", "tokens/s", "s/request", "vs eager", "ready s", "first request s", "warmup s", "peak GiB",
-           "err/scale", "top-1", "step ms", "GPU ms", "host ms (wall - GPU)"]
+           "err/scale", "top-1", "step ms", "GPU ms", "host ms (wall - GPU)", "note"]
 
 
 def parse_pair(text: str) -> tuple[int, int]:
@@ -107,7 +110,7 @@ def load_pack(spec: str | None) -> Any:
     return load(spec)
 
 
-def columns_for(model, pack, args, trace, device) -> list[Column]:
+def columns_for(model, pack, args, trace, ids, device) -> list[Column]:
     cols = [Column("eager")]
     stash: dict[str, Any] = {}
     kernels = (lambda on: pack.enable_only(None if on else set())) if pack else (lambda on: None)
@@ -142,6 +145,7 @@ def columns_for(model, pack, args, trace, device) -> list[Column]:
     if device.type == "cuda" and not args.no_compile:
         cols.append(Column("static+compile", {"cache_implementation": "static"},
                            first=lambda: torch._dynamo.reset()))
+        cols[-1].prepare = lambda c=cols[-1]: run_trace(c, model, trace, ids)
         compiled: dict[str, Any] = {}
 
         def ro_enter():
@@ -152,7 +156,19 @@ def columns_for(model, pack, args, trace, device) -> list[Column]:
 
         cols.append(Column("reduce-overhead", {"cache_implementation": "static", "disable_compile": True},
                            enter=ro_enter, leave=lambda: vars(model).pop("forward", None)))
+        cols[-1].prepare = lambda c=cols[-1]: run_trace(c, model, trace, ids)
     return cols
+
+
+def graphs_prepare_of(cols: list[Column]) -> Any:
+    return next((c.prepare for c in cols if "graphs" in c.name), None)
+
+
+def run_trace(col: Column, model, trace: list[dict], ids_list: list[torch.Tensor]) -> None:
+    """Every request of the trace once: compiled columns compile each new shape here, before the rounds,
+    as graph mode captures its buckets in `warmup()`."""
+    for ids, req in zip(ids_list, trace, strict=True):
+        col.generate(model, ids, req["new"])
 
 
 def agreement(col: Column, model, twin_forward, ids_list, trace, count: int) -> dict:
@@ -199,16 +215,24 @@ def bench_model(name: str, args, pack) -> dict:
     cap = int(getattr(model.config, "max_position_embeddings", 1 << 30))
     trace = [r for r in trace if r["prompt"] + r["new"] <= cap]
     ids_list = prompts(trace, int(model.config.vocab_size), device, args.seed)
-    cols = columns_for(model, pack, args, trace, device)
+    cols = columns_for(model, pack, args, trace, ids_list, device)
     if pack:
         pack.activate()
         pack.enable_only(set())
+    start = time.perf_counter()
+    over = lambda: time.perf_counter() - start > args.budget_s  # noqa: E731
     for col in cols:  # cold: the first request of each column, capture/compile included
+        if col.name in COMPILED and over():
+            col.info["note"] = f"skipped: over the time budget ({args.budget_s:g} s)"
+            continue
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         ready = 0.0
         if col.first:
             ready, _ = timed(col.first, device)
+        if col.prepare is graphs_prepare_of(cols) and serving.server(model) is None:
+            col.info["note"] = "graph mode is off in the pack's manifest: not served"
+            continue
         col.enter()
         first, _ = timed(lambda c=col: c.generate(model, ids_list[0], trace[0]["new"]), device)
         col.info.update({"ready_s": round(ready, 3), "first_request_s": round(first, 3)})
@@ -221,6 +245,9 @@ def bench_model(name: str, args, pack) -> dict:
         print(f"{name} {col.name}: ready {ready:.2f} s, first request {first:.2f} s", flush=True)
     for r in range(args.rounds):
         for col in cols[r % len(cols):] + cols[:r % len(cols)]:
+            if "note" in col.info or (col.name in COMPILED and over()):
+                col.info.setdefault("note", f"rounds cut at the time budget ({args.budget_s:g} s)")
+                continue
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
             col.enter()
@@ -240,7 +267,10 @@ def bench_model(name: str, args, pack) -> dict:
     eager_tps = None
     for col in cols:
         total = sum(col.times)
-        tps = col.tokens / total if total else 0.0
+        if not total:
+            result["columns"][col.name] = {"tokens_per_s": None, "s_per_request": None, "vs_eager": None, **col.info}
+            continue
+        tps = col.tokens / total
         eager_tps = eager_tps or tps
         result["columns"][col.name] = {"tokens_per_s": round(tps, 1), "s_per_request": round(total / len(col.times), 4),
                                        "vs_eager": round(tps / eager_tps, 3), **col.info}
@@ -262,7 +292,7 @@ def markdown(info: dict, results: dict, args) -> str:
                          v.get("first_request_s"), v.get("warmup_s"), v.get("peak_gib") and round(v["peak_gib"], 2),
                          v.get("max_err_over_scale") is not None and f"{v['max_err_over_scale']:.2e}",
                          v.get("top1") is not None and f"{v['top1']:.4f}", v.get("step_ms"), v.get("gpu_ms"),
-                         v.get("host_ms")])
+                         v.get("host_ms"), v.get("note", "")])
         text += f"## {name}\n\n" + tabulate(rows, headers=HEADERS, tablefmt="github") + "\n\n"
     return text
 
@@ -280,6 +310,8 @@ def main() -> int:
     parser.add_argument("--agree", type=int, default=2, help="requests checked teacher-forced against eager")
     parser.add_argument("--pack", default=None, help="a pack wheel or import name (pack and pack+graphs columns)")
     parser.add_argument("--no-compile", action="store_true", help="leave out the torch.compile columns")
+    parser.add_argument("--budget-s", type=float, default=480.0,
+                        help="per model: compiled columns' turns are skipped (and say so) after this many seconds")
     parser.add_argument("--out", default=None, help="output folder (default ${OUT:-benchmarks/out}/results)")
     args = parser.parse_args()
     try:
