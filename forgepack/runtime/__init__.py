@@ -166,6 +166,12 @@ def activate(strict: bool = False, graphs: bool = False, model: Any = None, **gr
     pack's kernels inside (`graphs.GraphedForward`; `graph_options` are its options): for `model` if
     given, else for every instance of the model class the pack was built for. Where the build found
     the forward unsafe to capture, the manifest says why and graph mode stays off (one warning).
+    For a causal LM `model`, `generate()` is served too (`serving.py`): forgepack's static cache per
+    batch bucket, padded batch and prompt buckets, one replay per decode step, and transformers'
+    automatic torch.compile turned off for that model. `serve=False` keeps graph mode to the forward
+    (the old behaviour); `graphs=False` gives generate() its own compile back. Bucket options
+    (`batch_buckets`, `prompt_buckets`, `cache_lengths`, `max_cache_len`) join `graph_options`;
+    `warmup(model, ...)` captures before the first request.
 
     Given `model`, it also checks that the model is laid out as the pack was built for: a pack built
     for a channels-last model on an NCHW one would be correct but useless (every guard misses), so
@@ -229,7 +235,12 @@ def _enable_graphs(model: Any, options: dict[str, Any]) -> None:
     # A graph replays the kernels it was captured with: a new generation after every (de)activation
     # keys fresh graphs, so a stale one is never replayed.
     options.setdefault("context_key", lambda: _STATE["generation"])
-    graphs_mod.enable(target, **options)
+    from . import serving
+
+    if options.pop("serve", True) and model is not None and serving.servable(model):
+        serving.serve(model, **options)  # graph mode inside model.generate() (serving.py)
+    else:
+        graphs_mod.enable(target, **options)
     _STATE["graphs"] = True
 
 
@@ -259,12 +270,23 @@ def _activate(strict: bool) -> bool:
     return True
 
 
+def warmup(model: Any, batch_sizes=None, prompt_lengths=(16,), max_new_tokens=(64,), shapes=None,
+           **options: Any) -> dict:
+    """Capture `model.generate()`'s graphs for these buckets before the first request (see serving.py);
+    returns the server's `stats()`."""
+    from . import serving
+
+    return serving.warmup(model, batch_sizes, prompt_lengths, max_new_tokens, shapes, **options)
+
+
 def deactivate() -> None:
     """Remove the overrides: every op dispatches to the kernel it had before `activate()`."""
     with _LOCK:
         if _STATE["graphs"]:
             from . import graphs as graphs_mod
+            from . import serving
 
+            serving.stop_all()  # generate() is the model's own again
             graphs_mod.disable_all()  # before the kernels go: a graph would replay them
             _STATE["graphs"] = False
         if _STATE["loaded"]:

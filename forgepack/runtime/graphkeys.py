@@ -357,3 +357,11 @@ def output_tensors(x: Any) -> list[torch.Tensor]:
 def first_line(err: BaseException) -> str:
     text = str(err).strip().splitlines()
     return f"{type(err).__name__}: {text[0] if text else ''}"[:300]
+
+
+def tensor_version(t: torch.Tensor) -> int | None:
+    """The tensor's version counter, or None for an inference tensor (which keeps none)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None

@@ -63,7 +63,7 @@ import torch
 from . import transformers_hooks
 from .graphbackends import Captured, CudaBackend, GraphPool, make_backend
 from .graphcache import DEFAULT_MAX_GRAPHS, GraphCache, Remembered
-from .graphkeys import Scan, copy_outputs, describe, first_line, rebuild, scan_arguments, tensor_bytes
+from .graphkeys import Scan, copy_outputs, describe, first_line, rebuild, scan_arguments, tensor_bytes, tensor_version
 
 DEFAULT_WARMUP = 2
 _DISABLE_ENV = "FORGEPACK_DISABLE"
@@ -83,13 +83,6 @@ class _Entry:
 
 class _CaptureFailed(Exception):
     pass
-
-
-def _version(t: torch.Tensor) -> int | None:
-    try:
-        return t._version
-    except RuntimeError:  # inference tensors keep no version counter
-        return None
 
 
 def _dispatch_mode_active() -> bool:
@@ -225,13 +218,13 @@ class GraphedForward:
         return self.fn(*args, **kwargs)
 
     def _warm(self, key: Hashable, scan: Scan, args: tuple, kwargs: dict) -> Any:
-        versions = [_version(t) for t in scan.tensors]
+        versions = [tensor_version(t) for t in scan.tensors]
         before = {i: t.clone() for i, (t, v) in enumerate(zip(scan.tensors, versions, strict=True)) if v is None}
         self._counts["warmups"] += 1
         out = self._eager(args, kwargs, "warm-up")
         written = set(self._mutates.get(key, ()))
         for i, (t, v) in enumerate(zip(scan.tensors, versions, strict=True)):
-            changed = not torch.equal(before[i], t) if v is None else _version(t) != v
+            changed = not torch.equal(before[i], t) if v is None else tensor_version(t) != v
             if changed:
                 written.add(i)
         if written:

@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from .graphkeys import tensor_version
+
 # Keyword arguments after which an HF model's attention mask depends on nothing but the shapes: no
 # padding mask, no positions, no cache from the caller (the model numbers the positions 0..n-1 itself).
 _SHAPE_ONLY_MASK_KWARGS = frozenset({"input_ids", "inputs_embeds", "pixel_values", "use_cache", "return_dict",
@@ -192,11 +194,14 @@ def _additive_mask(masks: dict, mask: torch.Tensor, dtype: torch.dtype) -> torch
     """A boolean mask as SDPA would convert it, converted once per capture (every layer gets the same
     mask object from the model)."""
     hit = masks.get(id(mask))
-    if hit is not None and hit[0] is mask and hit[1] == mask._version:
+    # An inference tensor (a capture under torch.inference_mode()) keeps no version counter: reading
+    # `_version` raises, and failed every such capture on the H200. Its version reads as None, and one
+    # mask object is not written between the layers of one forward.
+    if hit is not None and hit[0] is mask and hit[1] == tensor_version(mask):
         return hit[2]
     additive = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(
         mask.logical_not(), _MASKED.get(dtype, float("-inf")))
-    masks[id(mask)] = (mask, mask._version, additive)  # holds the mask: its id stays its own
+    masks[id(mask)] = (mask, tensor_version(mask), additive)  # holds the mask: its id stays its own
     return additive
 
 
