@@ -148,11 +148,15 @@ def scalar_array(values: list[Any]):
 
 
 class KernelCall:
-    """One prepared call: descriptors built once, so calling it costs only the foreign call."""
+    """One prepared call: descriptors built once, so calling it costs only the foreign call.
+
+    It holds its tensors: a descriptor is only an address, and the buffers it names must live as long as
+    the call can be made (a timed call once wrote into a freed temporary and corrupted the heap)."""
 
     def __init__(self, fn, inputs: list[torch.Tensor | None], outputs: list[torch.Tensor], scalars: list[Any],
                  stream: int | None):
         self.fn = fn
+        self.tensors = (list(inputs), list(outputs))
         self._inputs = (FpTensor * max(len(inputs), 1))(*[descriptor(t) for t in inputs])
         self._outputs = (FpTensor * max(len(outputs), 1))(*[descriptor(t) for t in outputs])
         self._scalars = scalar_array(scalars)

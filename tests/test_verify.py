@@ -233,3 +233,14 @@ def test_statistics_outputs_treat_nan_and_inf_alike_and_nothing_else():
     assert verify.compare(off, ref, "float32", stats=True)["mismatched"] == 1
     assert verify.is_statistic("aten.native_layer_norm.default", 1)
     assert not verify.is_statistic("aten.native_layer_norm.default", 0)
+
+
+def test_a_correct_kernel_survives_the_benchmark_at_401408_elements(ev):
+    """Issue 18: the benchmark's output buffer was a temporary freed before the timed calls wrote into
+    it; at 401,408 elements (1.6 MB) that corrupted the heap and a correct gelu died with "malloc():
+    invalid next size" only when benchmarked."""
+    torch.manual_seed(0)
+    card = card_from_call(torch.ops.aten.gelu.default, (torch.randn(392, 1024),))[0]
+    verdict = ev.evaluate(card, (KERNELS / "gelu_cpu.cpp").read_text(), margin=-0.99)
+    assert verdict.category in (None, "slower"), verdict.reason
+    assert verdict.kernel_us and verdict.bench_s > 0
