@@ -9,8 +9,8 @@ the original stdout; file descriptor 1 is then pointed at stderr, so a kernel th
 corrupt the protocol. The first line sent is ``{"ready": true, ...}`` once torch (and CUDA) are up.
 
 Requests (``card`` is `cards.to_json`, ``binary`` a compiled `kernel.so`, ``samples`` a path or null):
-    {"cmd": "verify", "card": {...}, "binary": "...", "samples": ..., "seed": N} -> `verify.verify`'s dict
-    {"cmd": "bench",  "card": {...}, "binary": "...", "samples": ..., "seed": N} -> `verify.bench`'s dict
+    {"cmd": "verify", "card": {...}, "binary": "...", "samples": ..., "seed": N} -> `outcomes.Verified` / `Failure`
+    {"cmd": "bench",  "card": {...}, "binary": "...", "samples": ..., "seed": N} -> `outcomes.Timed` / `Failure`
     {"cmd": "exit"}
 A failure of the stock op answers ``{"ok": false, "error": "..."}``; any other exception while a kernel
 was involved answers a crash verdict and the worker exits (its memory may be corrupted).
@@ -92,17 +92,19 @@ def handle(request: dict, device, kernels: dict, cards, verify) -> tuple[dict, b
         if binary not in kernels:
             kernels[binary] = verify.load_kernel(binary)
     except OSError as err:
-        return verify.fail("crash", f"could not be loaded: {err}", error=str(err)), True
+        return verify.fail("crash", f"could not be loaded: {err}", error=str(err)).to_json(), True
     run = verify.verify if cmd == "verify" else verify.bench
     extra = {"reps": int(request["reps"])} if cmd == "bench" and request.get("reps") else {}
     try:
-        return run(card, kernels[binary], request.get("samples"), device, int(request["seed"]), **extra), False
+        outcome = run(card, kernels[binary], request.get("samples"), device, int(request["seed"]), **extra)
+        return outcome.to_json(), False
     except verify.StockOpError as err:
         return {"ok": False, "error": str(err)}, False
     except Exception as err:  # a kernel error surfacing in torch (illegal address, launch failure, ...)
         tail = traceback.format_exc(limit=4)[-2000:]
         first = str(err).strip().splitlines()[0][:300] if str(err).strip() else type(err).__name__
-        return verify.fail("crash", f"failed while running: {first}", error=str(err)[:2000], traceback=tail), True
+        return verify.fail("crash", f"failed while running: {first}", error=str(err)[:2000],
+                           traceback=tail).to_json(), True
 
 
 if __name__ == "__main__":
