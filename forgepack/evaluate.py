@@ -44,6 +44,7 @@ from typing import Any
 
 from forgepack import cards as cards_mod
 from forgepack import outcomes, staticcheck
+from forgepack import worker as worker_mod
 from forgepack.cards import Card
 from forgepack.compile import TARGETS, CompileResult, compile_kernel
 from forgepack.errors import ForgepackError
@@ -116,14 +117,12 @@ class _Worker:
 
     def __init__(self, target: str, device_index: int):
         self.stderr = tempfile.TemporaryFile()  # noqa: SIM115 - lives as long as the worker; closed in close()
-        env = dict(os.environ)
         root = str(Path(__file__).resolve().parent.parent)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-        env.setdefault("PYTHONUNBUFFERED", "1")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "forgepack.worker", "--target", target, "--device", str(device_index)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr, env=env, start_new_session=True,
-        )
+        # like a served process: a generic argv, the parent's environment and session (docs/verification.md)
+        self.proc = subprocess.Popen([sys.executable, "-c", worker_mod.BOOTSTRAP], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self.stderr)
+        self.proc.stdin.write(worker_mod.start_line(root, target, device_index, sandbox=target == "cpu").encode())
+        self.proc.stdin.flush()
         self.buffer = b""
         self.info: dict | None = None
         self.loaded: set[str] = set()

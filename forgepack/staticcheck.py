@@ -389,7 +389,8 @@ def check_object(binary: str | Path, target: str, source: str = "") -> list[Find
     elf = _read_elf(obj)
     constants = set(re.findall(r"__constant__[^;=({]*?\b([A-Za-z_]\w*)\s*(?:\[[^\]]*\]\s*)*[;=]", blank_strings(
         strip_comments(source)))) if target == "cuda" else set()
-    findings = _state_findings(elf, constants) + _import_findings(elf, target) + _instruction_findings(obj)
+    code = _disassemble(obj)
+    findings = _state_findings(elf, constants) + _import_findings(elf, target, code) + _instruction_findings(code)
     for s in elf.symbols:
         if s.section != "UND" and s.bind != "LOCAL" and _DENIED_DEFINITIONS.match(s.name):
             findings.append(Finding("defines-cuda", f"defines {s.name}: kernels must not replace CUDA or C library "
@@ -454,9 +455,9 @@ def _uncovered_bytes(sec: _Section, symbols: list[_Symbol]) -> int:
     return uncovered
 
 
-def _import_findings(elf: _Elf, target: str) -> list[Finding]:
+def _import_findings(elf: _Elf, target: str, code: str) -> list[Finding]:
     findings, seen = [], set()
-    stubs = _device_function_host_bodies(elf) if target == "cuda" else set()
+    stubs = _device_function_host_bodies(elf, code) if target == "cuda" else set()
     for s in elf.symbols:
         if s.section != "UND" or not s.name or s.name in seen:
             continue
@@ -482,17 +483,32 @@ def _import_findings(elf: _Elf, target: str) -> list[Finding]:
     return findings
 
 
-def _device_function_host_bodies(elf: _Elf) -> set[str]:
-    """Functions nvcc wrote as the host side of a `__device__` function: tiny, referenced from nowhere
-    in the object, and containing one relocation, to `exit`."""
+def _device_function_host_bodies(elf: _Elf, code: str) -> set[str]:
+    """Functions nvcc wrote as the host side of a `__device__` function: tiny, containing one relocation,
+    to `exit`, and called or referenced from nowhere in the object (no relocation names them, and no
+    instruction targets them: a call within one section needs no relocation)."""
     funcs = [s for s in elf.symbols if s.type == "FUNC" and s.section != "UND" and s.size]
     referenced = {name for _, _, name in elf.relocations}
+    targeted = _called_from_elsewhere(code)
     bodies = set()
     for f in funcs:
         inside = [name for sec, off, name in elf.relocations if sec == f.section and f.value <= off < f.value + f.size]
-        if inside == ["exit"] and f.size <= 48 and f.name not in referenced:
+        if inside == ["exit"] and f.size <= 48 and f.name not in referenced and f.name not in targeted:
             bodies.add(f.name)
     return bodies
+
+
+def _called_from_elsewhere(code: str) -> set[str]:
+    """Functions some instruction outside them names as its operand (`call 0 <name>`)."""
+    targets, current = set(), None
+    for line in code.splitlines():
+        head = re.match(r"^[0-9a-f]+ <([^>]+)>:$", line)
+        if head:
+            current = head.group(1)
+            continue
+        if "\t" in line:
+            targets |= {t for t in re.findall(r"<([^>+]+)(?:\+0x[0-9a-f]+)?>", line) if t != current}
+    return targets
 
 
 def _only_from(elf: _Elf, name: str, functions: set[str]) -> bool:
@@ -507,14 +523,20 @@ def _only_from(elf: _Elf, name: str, functions: set[str]) -> bool:
     return True
 
 
-def _instruction_findings(obj: Path) -> list[Finding]:
-    """Host machine code that reads time stamps or hardware randomness or enters the kernel directly."""
+def _disassemble(obj: Path) -> str:
     try:
         out = subprocess.run(["objdump", "-d", "--no-show-raw-insn", str(obj)], capture_output=True, text=True,
                              check=False, timeout=60)
     except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return out.stdout
+
+
+def _instruction_findings(code: str) -> list[Finding]:
+    """Host machine code that reads time stamps or hardware randomness or enters the kernel directly."""
+    if not code:
         return [Finding("object", "could not disassemble the object (objdump)")]
-    m = _FORBIDDEN_INSTRUCTIONS.search(out.stdout)
+    m = _FORBIDDEN_INSTRUCTIONS.search(code)
     if not m:
         return []
     return [Finding("instruction", f"executes {m.group(1)}: a kernel reads no clock, no hardware randomness and "

@@ -126,17 +126,20 @@ def compare(
     seed: int = 0,
     before_b: Callable[[], object] | None = None,
     after_b: Callable[..., object] | None = None,
+    before_a: Callable[[], object] | None = None,
 ) -> Comparison:
     """Time A and B in alternating order (random order within each pair), L2 flushed before each.
 
     `before_b` runs before every call of B (warm-up included) and `after_b` after it, both outside the
     timed region: the verifier refills B's output buffers and checks every call's result there.
-    `after_b` gets the call's time in microseconds (None for a warm-up call)."""
+    `after_b` gets the call's time in microseconds (None for a warm-up call); `before_a` runs before each
+    timed call of A (the verifier gives both sides the same surroundings)."""
     device = torch.device(device)
     flusher = Flusher(device)
     rng = random.Random(seed)
     a, b = [], []
     before, after = before_b or (lambda: None), after_b or (lambda _us=None: None)
+    before_stock = before_a or (lambda: None)
     with one_thread_on_cpu(device):
         for _ in range(warmup):
             fn_a()
@@ -149,8 +152,7 @@ def compare(
             pair = [(a, fn_a), (b, fn_b)]
             rng.shuffle(pair)
             for out, fn in pair:
-                if out is b:
-                    before()
+                (before if out is b else before_stock)()
                 out.append(time_once(fn, device, flusher))
                 if out is b:
                     after(out[-1])

@@ -27,8 +27,9 @@ near-duplicate twin of a fresh input (seeds and fill patterns are drawn per eval
 `bench` times stock vs kernel with `timing.compare` (interleaved, L2 flushed, bootstrap interval) on one
 guarded input set. Every kernel call, timed or not, gets freshly filled output buffers (rotated among a
 few sets, or new ones) and fresh descriptors, and its output is compared bitwise with the verified
-result; a random subset of the timed calls is verified in full with new buffers (on CUDA with the
-legacy stream held busy, so work outside the caller's stream is missing when the end event completes).
+result (on CUDA the legacy stream is held busy across every call, the stock op's too, so work outside
+the caller's stream is missing when the end event completes); a random subset of the timed calls is
+verified in full with new buffers.
 Calls continue after the timed ones until the kernel has been called `MIN_CALLS` times in this
 evaluation and `LATE_AFTER_S` seconds have passed since its first call; then one last fresh call is
 verified and every kept buffer re-checked.
@@ -399,7 +400,9 @@ def compare(out: torch.Tensor, ref: torch.Tensor, dtype: str, stats: bool = Fals
         bad = a != b
     else:
         o, r = out.to(torch.float64), ref.to(torch.float64)
-        close = (o - r).abs() <= tol.atol + tol.rtol * r.abs()
+        finite = r[torch.isfinite(r)].abs()
+        atol = tolerances.scaled_atol(tol, float(finite.max()) if finite.numel() else 0.0)
+        close = (o - r).abs() <= atol + tol.rtol * r.abs()
         same_class = ~torch.isfinite(o) & ~torch.isfinite(r) if stats else torch.isnan(o) & torch.isnan(r)
         ok = (o == r) | same_class | (torch.isfinite(o) & torch.isfinite(r) & close)
         bad = ~ok
@@ -412,7 +415,7 @@ def compare(out: torch.Tensor, ref: torch.Tensor, dtype: str, stats: bool = Fals
         "problem": "values",
         "mismatched": count,
         "of": out.numel(),
-        "tolerance": tolerances.describe(dtype),
+        "tolerance": tolerances.describe(dtype) + ("" if tol is None else f" (atol scaled: {atol:.3g})"),
         "first_index": where,
         "expected": _scalar(ref[tuple(where)]),
         "got": _scalar(out[tuple(where)]),
@@ -803,9 +806,9 @@ class TimedCalls:
 
     Before each call (outside the timed region) its output buffers are filled with a fresh pattern and
     its descriptors built anew; after it, the output is compared bitwise with the verified result and
-    the descriptors with what was passed. The calls in `full` (a random subset) get new buffers, the
-    legacy stream held busy on CUDA, and the complete verification check; their buffers are kept for
-    the late re-check. The others rotate through RING buffer sets.
+    the descriptors with what was passed; on CUDA the legacy stream is held busy across each call. The
+    calls in `full` (a random subset) get new buffers and the complete verification check, and their
+    buffers are kept for the late re-check; the others rotate through RING buffer sets.
     """
 
     def __init__(self, h: Harness, s: InputSet, total: int, stale: list[torch.Tensor]):
@@ -825,8 +828,12 @@ class TimedCalls:
         kind = self.h.rng.choice(("nan", "nan", "garbage", "stale"))
         self.fills = self.h.fill(self.outs, 1000 + self.i, kind, self.stale)
         self.prepared = self.h.call(self.s.inputs, self.outs)
-        if full:
-            self.h.hold_legacy_stream(self.sleep)
+        self.hold()
+
+    def hold(self) -> None:
+        """Every call, the stock op's too: work a kernel puts on the legacy or per-thread default stream
+        is still missing when the call's end event completes and its output is snapshotted."""
+        self.h.hold_legacy_stream(self.sleep)
 
     def __call__(self) -> None:
         rc = self.prepared()
@@ -917,7 +924,7 @@ def bench(card: Card, fn, samples_path: Path | None, device: torch.device | str,
         strict_precision(exact_sums=False)  # the stock op is timed as users run it
         try:
             result = timing.compare(stock, calls, device, reps=reps, warmup=warmup, seed=seed % (1 << 31),
-                                    before_b=calls.before, after_b=calls.after)
+                                    before_b=calls.before, after_b=calls.after, before_a=calls.hold)
         except KernelFailed as err:
             return fail("crash", f"returned {err.code} during the benchmark", returned=err.code)
         except CheckFailed as err:
