@@ -243,8 +243,8 @@ class Poison:
     def nan(self, dtype: str, run: int) -> int:
         """The run's NaN (or byte sentinel) as a signed integer of the dtype's width."""
         key = (dtype, run)
-        if key not in self._nan:
-            taken = {v for (d, _), v in self._nan.items() if d == dtype}
+        if key not in self._nan:  # differs from the runs just before (a byte sentinel has only 254 values)
+            taken = {self._nan.get((dtype, r)) for r in range(run - 3, run)}
             value = _draw_sentinel(dtype, self.rng)
             while value in taken:
                 value = _draw_sentinel(dtype, self.rng)

@@ -227,7 +227,9 @@ def test_correct_controls_pass_every_check(evaluators, target, kernel, make_card
     verdict = evaluators(target).evaluate(make_card(), (KERNELS / kernel).read_text(), margin=-0.99)
     assert verdict.accepted, verdict.reason
     bench = verdict.diagnostics["bench"]
-    assert bench["checked"] >= 10 and bench["calls"] >= 200, bench
+    assert bench["checked"] >= 10, bench
+    if make_card is not CONTROLS[1].values[2]:  # small cards: the late calls' time budget is not what ends them
+        assert bench["calls"] >= 400, bench
 
 
 @pytest.mark.parametrize("target", ["cpu", pytest.param("cuda", marks=gpu)])
