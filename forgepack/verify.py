@@ -847,8 +847,8 @@ class TimedCalls:
         snaps = [o.buf.clone() for o in self.outs] if h.cuda else [o.buf for o in self.outs]
         if h.cuda:
             h.side.synchronize()
-        if timed_us is not None:  # the next held-busy legacy stream outlasts a call this long, with margin
-            self.sleep = max(self.sleep, int(timed_us * 4000))
+        if timed_us is not None:  # the held legacy stream outlasts flush, call and snapshot (~2000 cycles a us)
+            self.sleep = max(self.sleep, SLEEP_CYCLES + int(timed_us * 4000))
         what = f"timed call {i + 1}" if timed_us is not None else f"call {i + 1} of the benchmark"
         if i in self.full:
             bad = h.check_run(s, self.fills, self.outs, snaps, s.inputs, s.snapshot, what, self.prepared)
