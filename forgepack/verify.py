@@ -31,7 +31,8 @@ result (on CUDA the legacy stream is held busy across every call, the stock op's
 the caller's stream is missing when the end event completes); a random subset of the timed calls is
 verified in full with new buffers.
 Calls continue after the timed ones until the kernel has been called `MIN_CALLS` times in this
-evaluation and `LATE_AFTER_S` seconds have passed since its first call; then one last fresh call is
+evaluation (fewer if its own time for them passes `LATE_CALLS_BUDGET_S`) and `LATE_AFTER_S` seconds
+have passed since its first call; then one last fresh call is
 verified and every kept buffer re-checked.
 
 Results are `forgepack.outcomes` values (`Verified`, `Timed`, `Failure`), which round-trip JSON. A
@@ -67,7 +68,7 @@ RING = 4  # output buffer sets the unchecked timed calls rotate through (each re
 FULL_CHECKS = 12  # timed calls verified in full, with new buffers, chosen at random
 MIN_CALLS = 400  # kernel calls per evaluation, at least: state that turns wrong after ~200 calls shows
 LATE_AFTER_S = 1.5  # the last check is at least this long after the kernel's first call
-LATE_CALLS_BUDGET_S = 1.0  # the extra calls stop early past this (a slow kernel has had its many calls timed)
+LATE_CALLS_BUDGET_S = 0.5  # kernel time the extra calls may take (a slow kernel gets fewer of them)
 KEEP_BYTES = 256 << 20  # output buffers kept alive for the late re-check, at most
 
 _BITS_DTYPE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -931,20 +932,21 @@ def bench(card: Card, fn, samples_path: Path | None, device: torch.device | str,
             return err.failure
         finally:
             strict_precision()
-        bad = _late_phase(h, s, calls)
+        bad = _late_phase(h, s, calls, result.b_us)
         if bad:
             return bad.with_diagnostics(during="after the benchmark")
     return Timed(result.a_us, result.b_us, result.speedup, result.ci_low, result.ci_high, result.reps, label,
                  checked=calls.checked, calls=h.history["calls"])
 
 
-def _late_phase(h: Harness, s: InputSet, calls: TimedCalls) -> Failure | None:
-    """More calls until the kernel has made MIN_CALLS in this evaluation (within a time budget), a wait
-    until LATE_AFTER_S after its first call, one more fully checked call, then every kept buffer again."""
+def _late_phase(h: Harness, s: InputSet, calls: TimedCalls, kernel_us: float) -> Failure | None:
+    """More calls until the kernel has made MIN_CALLS in this evaluation (fewer for a kernel whose own
+    time for them would pass LATE_CALLS_BUDGET_S), a wait until LATE_AFTER_S after its first call,
+    one more fully checked call, then every kept buffer again."""
     calls.full = set()
-    deadline = time.monotonic() + LATE_CALLS_BUDGET_S
+    affordable = int(LATE_CALLS_BUDGET_S * 1e6 / max(kernel_us, 1.0))  # by the kernel's time: load-independent
     try:
-        while h.history["calls"] < MIN_CALLS and time.monotonic() < deadline:
+        for _ in range(min(MIN_CALLS - h.history["calls"], affordable)):
             calls.untimed()
         wait = h.history["first"] + LATE_AFTER_S - time.monotonic()
         if wait > 0:
