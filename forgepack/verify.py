@@ -266,8 +266,9 @@ class Poison:
             return g.bits.clone()
         g.bits.fill_(self.nan(g.meta.dtype, run))
         if kind == "stale" and stale is not None:
+            # guards and gaps must keep the NaN; in the view an element left stale is judged by the
+            # tolerance (a correct value may equal the stale one bitwise: no "unwritten" verdict there)
             g.view.copy_(stale)
-            return g.bits.clone()
         return self.nan(g.meta.dtype, run)
 
 
