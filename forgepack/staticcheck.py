@@ -449,10 +449,18 @@ def _uncovered_bytes(sec: _Section, symbols: list[_Symbol]) -> int:
     uncovered, at = 0, 0
     for start, end in [*spans, (sec.size, sec.size)]:
         gap = start - at
-        if gap > 0 and not (gap < max(sec.align, 1) and start % max(sec.align, 1) in (0, start % 8)):
+        if gap > 0 and gap >= _alignment_at(start, sec.align):
             uncovered += gap
         at = max(at, end)
     return uncovered
+
+
+def _alignment_at(offset: int, section_align: int) -> int:
+    """The alignment an object starting at `offset` can have in a section aligned to `section_align`: a
+    gap shorter than it is the padding before that object (nvcc puts a 1-byte guard before an 8-byte
+    handle, and a `__constant__` table's 32-byte-aligned host shadow after them)."""
+    align = max(section_align, 1)
+    return min(align, offset & -offset) if offset else align
 
 
 def _import_findings(elf: _Elf, target: str, code: str) -> list[Finding]:

@@ -212,6 +212,7 @@ CONTROLS = [
     pytest.param("cpu", "gelu_cpu.cpp", lambda: gelu_card((392, 1024)), id="cpu-gelu-401408"),
     pytest.param("cpu", "max_dim_cpu.cpp", max_dim_card, id="cpu-max_dim"),
     pytest.param("cuda", "device_helper.cu", relu_card, id="cuda-device_helper", marks=gpu),
+    pytest.param("cuda", "constant_table.cu", relu_card, id="cuda-constant_table", marks=gpu),
     pytest.param("cuda", "../../docs/examples/relu_cuda.cu", relu_card, id="cuda-relu", marks=gpu),
 ]
 
@@ -300,7 +301,8 @@ def test_cpu_static_rules(evaluators, rule, snippet):
 # which stage must catch each cuda kernel: "static" (source or object) or "worker" (it must get there)
 CUDA_STAGES = {f: ("static" if cats == {"static"} else "worker") for f, _, cats, _ in CUDA_CASES}
 CUDA_STAGES |= {"hang.cu": "worker", "logsumexp_cuda.cu": "worker", "../../docs/examples/relu_cuda.cu": "worker",
-                "device_helper.cu": "worker"}  # a __device__ helper: nvcc's host stub imports exit (issue 19)
+                "device_helper.cu": "worker",  # a __device__ helper: nvcc's host stub imports exit (issue 19)
+                "constant_table.cu": "worker"}  # a __constant__ table: alignment padding is not hidden state
 
 
 @pytest.mark.skipif(nvcc_path() is None, reason="needs nvcc")
