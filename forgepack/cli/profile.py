@@ -8,8 +8,10 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
+from forgepack import pipeline
 from forgepack import profile as profile_mod
 from forgepack.cli.common import console, out, progress, resolve, workspace_for
+from forgepack.recipe import TASKS
 
 
 def register(app: typer.Typer) -> None:
@@ -21,18 +23,20 @@ def profile_command(
         str | None, typer.Argument(help="recipe .toml, built-in recipe name, local model dir or hub id")
     ] = None,
     target: Annotated[str | None, typer.Option(help="cpu or cuda (overrides the recipe)")] = None,
-    dtype: Annotated[str | None, typer.Option(help="float32, float16 or bfloat16")] = None,
-    batch: Annotated[int | None, typer.Option(help="batch size")] = None,
-    seq_len: Annotated[int | None, typer.Option("--seq-len", help="sequence length")] = None,
+    task: Annotated[str | None, typer.Option(help=f"{', '.join(TASKS)} (overrides the recipe)")] = None,
+    dtype: Annotated[str | None, typer.Option(help="float32, float16 or bfloat16 (overrides the recipe)")] = None,
+    batch: Annotated[int | None, typer.Option(help="batch size (overrides the recipe)")] = None,
+    seq_len: Annotated[int | None, typer.Option("--seq-len", help="sequence length (overrides the recipe)")] = None,
     workspace: Annotated[str | None, typer.Option(help="workspace directory (default .forgepack/<slug>)")] = None,
     top: Annotated[int, typer.Option(help="rows to show (0 = all)")] = 25,
     as_json: Annotated[bool, typer.Option("--json", help="print JSON for machines")] = False,
 ) -> None:
     """Capture every aten call the model makes, time each variant, and show where the time goes."""
-    recipe = resolve(model, target=target, dtype=dtype, batch=batch, seq_len=seq_len)
+    recipe = resolve(model, target=target, task=task, dtype=dtype, batch=batch, seq_len=seq_len)
     ws = workspace_for(recipe, workspace)
     with progress(f"profiling {recipe.name}", enabled=not as_json) as note:
-        result, cards = profile_mod.run_profile(recipe, ws, note)
+        profiled = pipeline.profile(recipe, ws, note, reuse=False)
+    result, cards = profiled.profile, list(profiled.cards)
     if as_json:
         doc = {**result.to_json(), "workspace": str(ws.root),
                "cards": [{"id": c.id, "op": c.op, "signature": c.signature(), "calls": c.calls,
