@@ -24,7 +24,7 @@ import pytest
 from test_anthropic_proposer import MessagesServer, ok
 
 from forgepack import accepted as accepted_mod
-from forgepack import profile as profile_mod
+from forgepack import pipeline
 from forgepack import recipe as recipe_mod
 from forgepack.evaluate import CATEGORIES
 from forgepack.search import run
@@ -44,7 +44,7 @@ def profiled(tmp_path_factory) -> Path:
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("FORGEPACK_CACHE", str(root / "cache"))
         ws = Workspace(root / "ws")
-        profile_mod.ensure_profile(recipe_mod.resolve("tiny-llama"), ws)
+        pipeline.profile(recipe_mod.resolve("tiny-llama"), ws)
     return ws.root
 
 
