@@ -95,3 +95,15 @@ def test_the_last_lines_say_how_to_install_import_and_activate():
     assert lines[-3:] == ["install:  pip install packs/forgepack_pack_tiny_llama-0.1.0-py3-none-any.whl",
                           "import:   forgepack_pack_tiny_llama",
                           "activate: import forgepack_pack_tiny_llama as pack; pack.activate()"]
+
+
+def test_the_readmes_recipe_for_ones_own_model_is_a_valid_recipe():
+    import tomllib
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = readme.split("### Your own model", 1)[1]
+    block = section.split("```toml\n", 1)[1].split("```", 1)[0]
+    r = recipe_mod.from_dict(tomllib.loads(block), origin="README.md")
+    assert (r.model.hub, r.workload.task, r.workload.batch, r.workload.seq_len) == ("Qwen/Qwen2.5-0.5B",
+                                                                                   "causal-lm", 4, 256)
+    assert recipe_mod.from_dict(recipe_mod.to_dict(r)) == r
