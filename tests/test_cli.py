@@ -107,3 +107,29 @@ def test_the_readmes_recipe_for_ones_own_model_is_a_valid_recipe():
     assert (r.model.hub, r.workload.task, r.workload.batch, r.workload.seq_len) == ("Qwen/Qwen2.5-0.5B",
                                                                                    "causal-lm", 4, 256)
     assert recipe_mod.from_dict(recipe_mod.to_dict(r)) == r
+
+
+def test_pack_steps_say_which_step_runs_and_how_long_it_took(monkeypatch):
+    """The shim's compilation and the gate report no fraction done: a spinner with the elapsed time on
+    a terminal, a timestamped line as each starts in a log; either way a line when each ends."""
+    import io
+
+    from rich.console import Console
+
+    from forgepack.cli import common
+
+    for terminal in (False, True):
+        buf = io.StringIO()
+        monkeypatch.setattr(common, "console", Console(file=buf, force_terminal=terminal, width=200))
+        with common.steps("pack") as note:
+            note("staging 2 kernels and compiling the guarded dispatch shim")
+            note("end-to-end gate: outputs, use and pay of every kernel in the model")
+        text = buf.getvalue()
+        ended = re.findall(r"\d\d:\d\d:\d\d pack: (staging|end-to-end)[^\n]*: done in \d+\.\d s", text)
+        assert ended == ["staging", "end-to-end"], text
+        started = re.findall(r"^\d\d:\d\d:\d\d pack: (staging 2 kernels|end-to-end gate)[^:\n]*(?:: outputs[^:\n]*)?$",
+                             text, re.M)
+        if terminal:  # drawn live: the spinner line names the step
+            assert "\x1b[" in text and text.count("compiling the guarded dispatch shim") >= 2, text
+        else:  # a log says when each step starts, too
+            assert started == ["staging 2 kernels", "end-to-end gate"], text
