@@ -56,11 +56,12 @@ def test_recipes_lists_every_builtin_recipe_with_its_task_and_shapes():
 
 
 def test_the_workload_flags_are_validated_as_recipe_fields(tmp_path):
-    for args, needle in ((["--task", "translation"], "'workload.task' must be one of"),
-                         (["--dtype", "int8"], "'workload.dtype' must be one of")):
-        result = _cli(["build", "tiny-llama", "--target", "cpu", *args], cwd=tmp_path)
-        assert result.returncode == 2, result.stderr
-        assert needle in result.stderr and "Traceback" not in result.stderr
+    for command in ("build", "profile"):
+        for args, needle in ((["--task", "translation"], "'workload.task' must be one of"),
+                             (["--dtype", "int8"], "'workload.dtype' must be one of")):
+            result = _cli([command, "tiny-llama", "--target", "cpu", *args], cwd=tmp_path)
+            assert result.returncode == 2, result.stderr
+            assert needle in result.stderr and "Traceback" not in result.stderr
 
 
 def test_the_deprecated_model_flag_still_names_the_claude_model(tmp_path):
