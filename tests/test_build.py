@@ -143,7 +143,7 @@ def test_kill_9_mid_build_then_resume(profiled, tmp_path):
     server.script = [llm(kernels)] * 500
     env = {**os.environ, "ANTHROPIC_API_KEY": "sk-test", "ANTHROPIC_BASE_URL": server.url}
     budget = 8
-    args = ["build", "tiny-llama", "--target", "cpu", "--proposer", "anthropic", "--model", MODEL,
+    args = ["build", "tiny-llama", "--target", "cpu", "--proposer", "anthropic", "--llm-model", MODEL,
             "--budget", str(budget), "--workspace", str(ws.root), "--no-gate"]
     try:
         killed_with_pending = None
