@@ -25,12 +25,12 @@ from forgepack.cards import Card
 from forgepack.errors import UsageError
 from forgepack.profile import ModelProfile
 from forgepack.recipe import Recipe
+from forgepack.search import executor as executors
 from forgepack.search import proposers, run
-from forgepack.search.executor import LocalExecutor
 from forgepack.workspace import Workspace
 
 Progress = Callable[[str, int, int], None]  # (what, done, total)
-EXECUTORS = ("local",)
+EXECUTORS = executors.EXECUTORS  # the names `build(executor=...)` takes: "local", "ray"
 
 
 @dataclass(frozen=True)
@@ -98,14 +98,15 @@ def profile(recipe: Recipe, workspace: Workspace, note: Progress | None = None, 
     return Profiled(result, tuple(cards), reused=False)
 
 
-def preflight(recipe: Recipe, strategy: str = "allocator", executor: str = "local") -> None:
-    """Refuse a build that could not finish, before it profiles anything (a missing API key)."""
+def preflight(recipe: Recipe, strategy: str = "allocator", executor: str = "local",
+              executor_options: Mapping[str, Any] | None = None) -> None:
+    """Refuse a build that could not finish, before it profiles anything (a missing API key, an unknown
+    executor, ray not installed)."""
     from forgepack.search import allocator
 
     if strategy not in allocator.STRATEGIES:
         raise UsageError(f"--strategy must be one of {', '.join(allocator.STRATEGIES)}, got {strategy!r}")
-    if executor not in EXECUTORS:
-        raise UsageError(f"--executor must be one of {', '.join(EXECUTORS)}, got {executor!r}")
+    executors.check_executor(executor, (executor_options or {}).get("address"))
     proposers.preflight(recipe.build.proposer, model=recipe.build.llm_model)
 
 
@@ -116,10 +117,10 @@ def make_proposer(recipe: Recipe, facts: TargetFacts) -> proposers.Proposer:
 
 
 def make_executor(name: str, recipe: Recipe, facts: TargetFacts, options: Mapping[str, Any] | None = None):
-    """Where candidates compile and run: "local" (this host's compile pool and devices)."""
-    if name == "local":
-        return LocalExecutor(facts.target, arch=facts.arch, margin=recipe.build.margin, **dict(options or {}))
-    raise UsageError(f"--executor must be one of {', '.join(EXECUTORS)}, got {name!r}")
+    """Where candidates compile and run: "local" (this host's compile pool and devices) or "ray" (a Ray
+    cluster: `options["address"]`, default a local one). `options` go to the executor's constructor."""
+    return executors.make_executor(name, facts.target, arch=facts.arch, margin=recipe.build.margin,
+                                   **dict(options or {}))
 
 
 def search(recipe: Recipe, workspace: Workspace, profiled: Profiled, facts: TargetFacts,
@@ -130,6 +131,8 @@ def search(recipe: Recipe, workspace: Workspace, profiled: Profiled, facts: Targ
     settings = run.Settings(budget=recipe.build.budget, target=facts.target, arch=facts.arch, strategy=strategy,
                             max_cost=recipe.build.max_cost, margin=recipe.build.margin)
     with make_executor(executor, recipe, facts, executor_options) as ex:
+        if reporter is not None:
+            reporter.note(ex.summary())  # how many evaluators, and any device refused
         found = run.Search(workspace, list(profiled.cards), chosen, ex, settings, reporter=reporter)
         try:
             return found.run()
@@ -171,7 +174,7 @@ def build(recipe: Recipe, workspace: Workspace, *, listener: Listener | None = N
     """Profile (unless the workspace has this recipe's), search, save accepted.json, pack.
     `console`: a rich console for the pack's report table (None: not printed)."""
     listener = listener or Listener()
-    preflight(recipe, strategy, executor)
+    preflight(recipe, strategy, executor, executor_options)
     with listener.profiling() as note:
         profiled = profile(recipe, workspace, note)
     facts = target_facts(recipe, profiled.profile)

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from forgepack.intervals import bootstrap_ratio_ci
+
 CUDA_FLUSH_BYTES = 256 << 20  # well over the H200's 60 MB L2
 CPU_FLUSH_BYTES = 32 << 20
 
@@ -143,20 +145,6 @@ def compare(
     low, high = bootstrap_ratio_ci(a, b, seed=seed)
     med_a, med_b = statistics.median(a), statistics.median(b)
     return Comparison(med_a, med_b, med_a / med_b, low, high, reps)
-
-
-def bootstrap_ratio_ci(
-    a: list[float], b: list[float], n: int = 1000, alpha: float = 0.05, seed: int = 0
-) -> tuple[float, float]:
-    """Percentile bootstrap interval of median(a)/median(b)."""
-    rng = random.Random(seed)
-    ratios = []
-    for _ in range(n):
-        ra = statistics.median(rng.choices(a, k=len(a)))
-        rb = statistics.median(rng.choices(b, k=len(b)))
-        ratios.append(ra / rb)
-    ratios.sort()
-    return ratios[int(n * alpha / 2)], ratios[int(n * (1 - alpha / 2)) - 1]
 
 
 def median(values: list[float]) -> float:

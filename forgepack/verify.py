@@ -12,7 +12,7 @@ random per evaluation, so no kernel can know them in advance):
    every byte poisoned first with a run-specific pattern (NaN payloads for floats, sentinels for ints):
    canary zones and stride gaps must keep the poison (else "wrote outside its output"); no element of
    the view may keep it (else unwritten); inputs must be bitwise unchanged (else mutates-input);
-   outputs must pass `forgepack.tolerances` with NaN/Inf positions matching (else mismatch; for a
+   outputs must pass `forgepack.runtime.tolerances` with NaN/Inf positions matching (else mismatch; for a
    normalisation's mean/rstd outputs NaN and inf are interchangeable, see STATISTICS_OUTPUTS); the three
    runs must be bitwise identical (else nondeterministic).
 3. Reuse: one set of buffers is refilled with every set's values in turn and the kernel run again on
@@ -43,9 +43,10 @@ from typing import Any
 
 import torch
 
-from forgepack import opcall, timing, tolerances
+from forgepack import opcall, timing
 from forgepack import samples as samples_mod
 from forgepack.cards import DTYPE_CODES, Card, TensorMeta
+from forgepack.runtime import tolerances
 
 ABI_VERSION = 1
 MAX_DIMS = 8

@@ -9,10 +9,10 @@ import zipfile
 import torch
 from pack_kernels import KERNELS, SLOW_MUL, WRONG_SILU, add_unchecked, find_card, tiny_llama_workspace
 
-from forgepack.pack import build_pack
 from forgepack.pack import manifest as manifest_mod
+from forgepack.pack.builder import build_pack
 from forgepack.pack.gate import Timing, decide_pay, decide_use, eager_because, graph_breakers, greedy_agree
-from forgepack.pack.runtime import graphs
+from forgepack.runtime import replaycheck
 
 # --- the decisions, from measurements -------------------------------------------------------------------------
 
@@ -61,7 +61,7 @@ class _Switched(torch.nn.Module):
 def _replay_check(broken_stock: bool = False):
     def check(ids: set[str]) -> dict:
         module = _Switched(ids | ({"tally"} if broken_stock else set()))
-        ok, reason = graphs.verify_replay(module, lambda step: (torch.randn(4),), backend="emulate")
+        ok, reason = replaycheck.verify_replay(module, lambda step: (torch.randn(4),), backend="emulate")
         return {"enabled": ok, "reason": reason}
     return check
 

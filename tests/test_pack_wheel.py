@@ -25,9 +25,10 @@ import pytest
 import tomllib
 from pack_kernels import tiny_llama_workspace
 
+from forgepack import tomlwriter
 from forgepack.accepted import load_all
-from forgepack.pack import build_pack
 from forgepack.pack import manifest as manifest_mod
+from forgepack.pack.builder import build_pack
 
 REPO = Path(__file__).resolve().parent.parent
 PACKAGE = "forgepack_pack_tiny_llama"
@@ -273,7 +274,7 @@ def test_another_torch_version_warns_and_does_nothing(venv_python, tmp_path):
     path = alt / PACKAGE / "manifest.toml"
     data = tomllib.loads(path.read_text())
     data["build"]["torch"] = "2.9.0"
-    path.write_text(manifest_mod.toml_dumps(data))
+    path.write_text(tomlwriter.dumps(data))
     res = last_json(run(venv_python, TAMPERED, tmp_path, env={"PYTHONPATH": str(alt)}))
     assert res["ok"] is False and res["loaded"] is False and res["hits"] == 0
     assert len(res["warnings"]) == 1 and "built for torch 2.9.0" in res["warnings"][0]
@@ -290,7 +291,7 @@ def test_selftest_reverifies_every_kernel_and_fails_loudly(venv_python, tmp_path
     data = tomllib.loads(path.read_text())
     silu = next(v for v in data["variants"] if v["op"] == "aten.silu.default")
     silu["tolerance"] = [{"dtype": "float32", "rtol": 0.0, "atol": 0.0}]
-    path.write_text(manifest_mod.toml_dumps(data))
+    path.write_text(tomlwriter.dumps(data))
     proc = run(venv_python, "", tmp_path, env={"PYTHONPATH": str(alt)}, args=("-m", PACKAGE, "selftest"))
     assert proc.returncode == 1, proc.stdout + proc.stderr
     row = next(line for line in proc.stdout.splitlines() if line.startswith(silu["id"]))

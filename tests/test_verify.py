@@ -10,11 +10,12 @@ import pytest
 import torch
 
 from forgepack import samples as samples_mod
-from forgepack import tolerances, verify
+from forgepack import verify
 from forgepack.capture import card_from_call
 from forgepack.compile import compile_kernel
 from forgepack.errors import ForgepackError
 from forgepack.evaluate import CATEGORIES, Evaluator, Verdict, accept_rule, evaluate
+from forgepack.runtime import tolerances
 
 KERNELS = Path(__file__).parent / "kernels"
 EXAMPLES = Path(__file__).resolve().parent.parent / "docs" / "examples"

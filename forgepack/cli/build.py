@@ -22,6 +22,7 @@ from forgepack.errors import UsageError
 from forgepack.recipe import DEFAULT_RECIPE, TASKS, BuildSettings, Recipe
 from forgepack.search import run
 from forgepack.search.allocator import Decision, PlanRow
+from forgepack.search.executor import EXECUTORS, build_each, check_executor
 from forgepack.search.store import CallRecord, CandidateRecord
 
 
@@ -33,9 +34,10 @@ DEFAULTS = BuildSettings()
 
 
 def build_command(
-    spec: Annotated[
-        str | None,
-        typer.Argument(metavar="[MODEL]", help="recipe .toml, built-in recipe name, local model dir or hub id",
+    specs: Annotated[
+        list[str] | None,
+        typer.Argument(metavar="[MODEL]...", help="recipe .toml, built-in recipe name, local model dir or hub id; "
+                       "several share the executor, each with its own workspace and pack",
                        show_default=DEFAULT_RECIPE),
     ] = None,
     budget: Annotated[int | None, typer.Option(
@@ -63,8 +65,17 @@ def build_command(
     strategy: Annotated[str, typer.Option(hidden=True, help="allocator or uniform (benchmarks)")] = "allocator",
     out_dir: Annotated[str, typer.Option("--out", help="where the pack wheel goes")] = "packs",
     as_json: Annotated[bool, typer.Option("--json", help="print the search result as JSON")] = False,
+    executor_kind: Annotated[str, typer.Option(
+        "--executor", help=f"where candidates compile and run: {' or '.join(EXECUTORS)} (this host, a Ray cluster)",
+    )] = "local",
+    ray_address: Annotated[str | None, typer.Option("--ray-address", help="Ray cluster (default: a local one)")] = None,
 ) -> None:
     """Search verified kernels for the operator calls that matter, within a budget, and keep the best."""
+    check_executor(executor_kind, ray_address)  # once, before any recipe profiles
+    if specs and len(specs) > 1:
+        options = {k: v for k, v in locals().items() if k != "specs"}
+        return build_each(specs, lambda one: build_command([one], **options), workspace=workspace)
+    spec = specs[0] if specs else None
     if budget is not None and budget < 0:
         raise UsageError(f"--budget must be 0 or more, got {budget}")
     if old_llm_model is not None:
@@ -75,7 +86,8 @@ def build_command(
     recipe = resolve(spec, target=target, task=task, dtype=dtype, batch=batch, seq_len=seq_len, build=build)
     ws = workspace_for(recipe, workspace)
     view = BuildView(recipe, explain=explain, quiet=as_json)
-    built = pipeline.build(recipe, ws, listener=view, strategy=strategy, executor="local",
+    built = pipeline.build(recipe, ws, listener=view, strategy=strategy, executor=executor_kind,
+                           executor_options={"address": ray_address} if ray_address else None,
                            out_dir=Path(out_dir), console=None if as_json else console)
     packed = built.pack
     if as_json:

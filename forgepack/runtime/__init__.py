@@ -34,6 +34,8 @@ from typing import Any
 
 import torch
 
+from .packinfo import PackInfo
+
 HERE = Path(__file__).resolve().parent
 _LOG = logging.getLogger(__name__)
 _LOCK = threading.RLock()
@@ -48,19 +50,19 @@ class PackError(RuntimeError):
 # --- the manifest ------------------------------------------------------------------------------------
 
 
-def manifest() -> dict[str, Any]:
-    """The pack's manifest.toml as plain data (read once)."""
+def manifest() -> PackInfo:
+    """The pack's manifest.toml as the runtime reads it (`packinfo.PackInfo`, read once)."""
     if _STATE["manifest"] is None:
         try:
             import tomllib
         except ModuleNotFoundError:  # Python 3.10
             import tomli as tomllib
-        _STATE["manifest"] = tomllib.loads((HERE / "manifest.toml").read_text())
+        _STATE["manifest"] = PackInfo.from_dict(tomllib.loads((HERE / "manifest.toml").read_text()))
     return _STATE["manifest"]
 
 
 def _op_ids() -> list[str]:
-    return [v["id"] for v in manifest().get("variants", [])]
+    return [v.id for v in manifest().variants]
 
 
 def _fused():
@@ -97,18 +99,17 @@ def _arch_of(capability: tuple[int, int]) -> str:
 def environment_problem() -> tuple[str | None, list[int]]:
     """(why this pack cannot run in this process, or None; the CUDA devices whose arch is the pack's)."""
     m = manifest()
-    build, target = m["build"], m["target"]
-    if _major_minor(torch.__version__) != _major_minor(build["torch"]):
-        return f"built for torch {build['torch']}, this is torch {torch.__version__}", []
-    if bool(torch._C._GLIBCXX_USE_CXX11_ABI) != bool(build["cxx11_abi"]):
+    if _major_minor(torch.__version__) != _major_minor(m.torch):
+        return f"built for torch {m.torch}, this is torch {torch.__version__}", []
+    if bool(torch._C._GLIBCXX_USE_CXX11_ABI) != m.cxx11_abi:
         return "built for the other C++ ABI of torch (_GLIBCXX_USE_CXX11_ABI differs)", []
-    if target["device"] != "cuda":
+    if m.device != "cuda":
         return None, []
-    if _major_minor(torch.version.cuda) != _major_minor(build.get("cuda")):
-        return f"built for CUDA {build.get('cuda')}, this torch uses CUDA {torch.version.cuda}", []
+    if _major_minor(torch.version.cuda) != _major_minor(m.cuda):
+        return f"built for CUDA {m.cuda}, this torch uses CUDA {torch.version.cuda}", []
     if not torch.cuda.is_available():
         return "built for CUDA GPUs, and no CUDA GPU is visible", []
-    want = target.get("arch", "").removesuffix("a")
+    want = m.arch.removesuffix("a")
     devices = [i for i in range(torch.cuda.device_count()) if _arch_of(torch.cuda.get_device_capability(i)) == want]
     if not devices:
         have = sorted({_arch_of(torch.cuda.get_device_capability(i)) for i in range(torch.cuda.device_count())})
@@ -126,12 +127,12 @@ def _sha256(path: Path) -> str:
 
 def file_problem() -> str | None:
     """The first file whose digest is not the manifest's, named; None when every file checks out."""
-    for entry in manifest().get("files", []):
-        path = HERE / entry["path"]
+    for entry in manifest().files:
+        path = HERE / entry.path
         if not path.is_file():
-            return f"{entry['path']} is missing from the pack"
-        if _sha256(path) != entry["sha256"]:
-            return f"{entry['path']} does not match its sha256 in the manifest (modified or corrupt): refusing to load"
+            return f"{entry.path} is missing from the pack"
+        if _sha256(path) != entry.sha256:
+            return f"{entry.path} does not match its sha256 in the manifest (modified or corrupt): refusing to load"
     return None
 
 
@@ -139,7 +140,7 @@ def file_problem() -> str | None:
 
 
 def _ops():
-    return getattr(torch.ops, manifest()["shim"]["namespace"])
+    return getattr(torch.ops, manifest().namespace)
 
 
 def _refuse(reason: str, strict: bool, depth: int = 4) -> bool:
@@ -176,7 +177,7 @@ def activate(strict: bool = False, graphs: bool = False, model: Any = None, **gr
             return False
         try:
             ok = _STATE["active"] or _activate(strict)
-            problem = layout_problem(model, manifest().get("workload", {})) if ok and model is not None else None
+            problem = layout_problem(model, manifest().memory_format) if ok and model is not None else None
             if problem:
                 warnings.warn(f"{__name__}: {problem}", RuntimeWarning, stacklevel=3)
             if ok and graphs:
@@ -189,10 +190,11 @@ def activate(strict: bool = False, graphs: bool = False, model: Any = None, **gr
             return _refuse(f"could not activate ({type(err).__name__}: {first})", strict, depth=3)
 
 
-def layout_problem(model: Any, workload: dict[str, Any]) -> str | None:
+def layout_problem(model: Any, memory_format: str) -> str | None:
     """Why `model` will not hit this pack's kernels for its layout, or None: the pack was built for a
-    channels-last model and some 4-d weight (a convolution's) is not channels-last."""
-    if workload.get("memory_format") != "channels_last" or not hasattr(model, "parameters"):
+    channels-last model (`memory_format`, the manifest's) and some 4-d weight (a convolution's) is not
+    channels-last."""
+    if memory_format != "channels_last" or not hasattr(model, "parameters"):
         return None
     weights = [p for p in model.parameters() if p.dim() == 4]
     if all(p.is_contiguous(memory_format=torch.channels_last) for p in weights):
@@ -203,7 +205,7 @@ def layout_problem(model: Any, workload: dict[str, Any]) -> str | None:
 
 
 def _model_class() -> type | None:
-    name = manifest().get("model", {}).get("arch")
+    name = manifest().model_arch
     if not name:
         return None
     import transformers
@@ -214,9 +216,9 @@ def _model_class() -> type | None:
 def _enable_graphs(model: Any, options: dict[str, Any]) -> None:
     from . import graphs as graphs_mod
 
-    verdict = manifest().get("graphs", {})
-    if verdict.get("enabled") is False:
-        warnings.warn(f"{__name__}: graph mode is off for this model: {verdict.get('reason', 'no reason given')}",
+    verdict = manifest().graphs
+    if verdict.enabled is False:
+        warnings.warn(f"{__name__}: graph mode is off for this model: {verdict.reason or 'no reason given'}",
                       RuntimeWarning, stacklevel=4)
         return
     target = model if model is not None else _model_class()
@@ -242,7 +244,7 @@ def _activate(strict: bool) -> bool:
         _STATE["verified"] = True
     if _op_ids():
         if not _STATE["loaded"]:
-            torch.ops.load_library(str(HERE / manifest()["shim"]["library"]))
+            torch.ops.load_library(str(HERE / manifest().library))
             _STATE["loaded"] = True
         if list(_ops().variants()) != _op_ids():
             return _refuse("the shim's variants are not the manifest's", strict)
@@ -293,14 +295,14 @@ def stats() -> dict[str, dict[str, Any]]:
     """Per variant: its op, `hits` (calls its kernel served), `misses` (calls of its op it did not
     serve), `errors` (calls its kernel refused, served by stock). Counters live as long as the process."""
     ids = _op_ids()
-    ops = list(dict.fromkeys(v["op"] for v in manifest().get("variants", [])))
+    ops = list(dict.fromkeys(v.op for v in manifest().variants))
     raw = list(_ops().stats()) if _STATE["loaded"] else [0] * (2 * len(ids) + len(ops))
     n = len(ids)
     calls = dict(zip(ops, raw[2 * n:], strict=True))
     out = {}
-    for k, v in enumerate(manifest().get("variants", [])):
+    for k, v in enumerate(manifest().variants):
         hits, errors = raw[k], raw[n + k]
-        out[v["id"]] = {"op": v["op"], "hits": hits, "misses": calls[v["op"]] - hits, "errors": errors}
+        out[v.id] = {"op": v.op, "hits": hits, "misses": calls[v.op] - hits, "errors": errors}
     if _fused():
         out.update(_fused().stats())
     return out
