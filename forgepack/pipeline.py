@@ -14,6 +14,7 @@ from the recipe and that profile, then passed to the proposer, the executor and 
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -22,15 +23,15 @@ from typing import Any
 
 from forgepack import profile as profile_mod
 from forgepack.cards import Card
-from forgepack.errors import UsageError
+from forgepack.errors import ForgepackError, UsageError
 from forgepack.profile import ModelProfile
 from forgepack.recipe import Recipe
-from forgepack.search import executor as executors
 from forgepack.search import proposers, run
+from forgepack.search.executor import Executor, LocalExecutor
 from forgepack.workspace import Workspace
 
 Progress = Callable[[str, int, int], None]  # (what, done, total)
-EXECUTORS = executors.EXECUTORS  # the names `build(executor=...)` takes: "local", "ray"
+EXECUTORS = ("local", "ray")  # this host; a Ray cluster (forgepack.search.ray_executor)
 
 
 @dataclass(frozen=True)
@@ -106,7 +107,7 @@ def preflight(recipe: Recipe, strategy: str = "allocator", executor: str = "loca
 
     if strategy not in allocator.STRATEGIES:
         raise UsageError(f"--strategy must be one of {', '.join(allocator.STRATEGIES)}, got {strategy!r}")
-    executors.check_executor(executor, (executor_options or {}).get("address"))
+    check_executor(executor, (executor_options or {}).get("address"))
     proposers.preflight(recipe.build.proposer, model=recipe.build.llm_model)
 
 
@@ -116,11 +117,30 @@ def make_proposer(recipe: Recipe, facts: TargetFacts) -> proposers.Proposer:
                           model=recipe.build.llm_model)
 
 
-def make_executor(name: str, recipe: Recipe, facts: TargetFacts, options: Mapping[str, Any] | None = None):
+def check_executor(name: str, address: str | None = None) -> None:
+    """Bad executor options fail before a build profiles anything."""
+    if name not in EXECUTORS:
+        raise UsageError(f"--executor must be one of {', '.join(EXECUTORS)}, got {name!r}")
+    if address and name != "ray":
+        raise UsageError("--ray-address needs --executor ray")
+    if name == "ray":
+        from forgepack.search.ray_executor import import_ray
+
+        import_ray()
+
+
+def make_executor(name: str, recipe: Recipe, facts: TargetFacts,
+                  options: Mapping[str, Any] | None = None) -> Executor:
     """Where candidates compile and run: "local" (this host's compile pool and devices) or "ray" (a Ray
     cluster: `options["address"]`, default a local one). `options` go to the executor's constructor."""
-    return executors.make_executor(name, facts.target, arch=facts.arch, margin=recipe.build.margin,
-                                   **dict(options or {}))
+    options = dict(options or {})
+    check_executor(name, options.get("address"))
+    if name == "local":
+        options.pop("address", None)
+        return LocalExecutor(facts.target, arch=facts.arch, margin=recipe.build.margin, **options)
+    from forgepack.search.ray_executor import RayExecutor
+
+    return RayExecutor(facts.target, arch=facts.arch, margin=recipe.build.margin, **options)
 
 
 def search(recipe: Recipe, workspace: Workspace, profiled: Profiled, facts: TargetFacts,
@@ -147,6 +167,23 @@ def pack(recipe: Recipe, workspace: Workspace, out_dir: Path = Path("packs"),
 
     return builder.build_pack(workspace, recipe, margin=recipe.build.margin, gate=recipe.build.gate,
                               out_dir=Path(out_dir), note=note, console=console)
+
+
+def build_each(specs: Sequence[str], build_one: Callable[[str], Any], workspace: str | None = None) -> None:
+    """Several recipes in one command, one after another: each gets its own workspace and pack, and all
+    share the executor's cluster (one Ray session per process, its compile registry included). A
+    recipe that fails is reported and the others still build; the command then fails."""
+    if workspace:
+        raise UsageError("--workspace names one recipe's workspace: leave it out to build several recipes")
+    failed = []
+    for spec in specs:
+        try:
+            build_one(spec)
+        except ForgepackError as err:
+            failed.append(f"{spec}: {err}")
+            print(f"forgepack: {spec} failed: {err}", file=sys.stderr)
+    if failed:
+        raise ForgepackError(f"{len(failed)} of {len(specs)} recipes failed: " + "; ".join(failed))
 
 
 class Listener:

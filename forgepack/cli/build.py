@@ -22,7 +22,6 @@ from forgepack.errors import UsageError
 from forgepack.recipe import DEFAULT_RECIPE, TASKS, BuildSettings, Recipe
 from forgepack.search import run
 from forgepack.search.allocator import Decision, PlanRow
-from forgepack.search.executor import EXECUTORS, build_each, check_executor
 from forgepack.search.store import CallRecord, CandidateRecord
 
 
@@ -66,15 +65,16 @@ def build_command(
     out_dir: Annotated[str, typer.Option("--out", help="where the pack wheel goes")] = "packs",
     as_json: Annotated[bool, typer.Option("--json", help="print the search result as JSON")] = False,
     executor_kind: Annotated[str, typer.Option(
-        "--executor", help=f"where candidates compile and run: {' or '.join(EXECUTORS)} (this host, a Ray cluster)",
+        "--executor", help=f"where candidates compile and run: {' or '.join(pipeline.EXECUTORS)} "
+                           "(this host, a Ray cluster)",
     )] = "local",
     ray_address: Annotated[str | None, typer.Option("--ray-address", help="Ray cluster (default: a local one)")] = None,
 ) -> None:
     """Search verified kernels for the operator calls that matter, within a budget, and keep the best."""
-    check_executor(executor_kind, ray_address)  # once, before any recipe profiles
+    pipeline.check_executor(executor_kind, ray_address)  # once, before any recipe profiles
     if specs and len(specs) > 1:
         options = {k: v for k, v in locals().items() if k != "specs"}
-        return build_each(specs, lambda one: build_command([one], **options), workspace=workspace)
+        return pipeline.build_each(specs, lambda one: build_command([one], **options), workspace=workspace)
     spec = specs[0] if specs else None
     if budget is not None and budget < 0:
         raise UsageError(f"--budget must be 0 or more, got {budget}")
