@@ -242,14 +242,11 @@ def load_profile(workspace: Workspace) -> ModelProfile | None:
     return ModelProfile(**workspace.read_json("profile.json"))
 
 
-def ensure_profile(recipe: Recipe, workspace: Workspace, progress=None) -> list[Card]:
-    """The workspace's cards, profiling first unless a profile of this same recipe is already there."""
-    existing = load_profile(workspace)
-    if existing and existing.recipe_fingerprint == recipe_fingerprint(recipe):
-        cards = workspace.load_cards()
-        if cards:
-            return cards
-    return run_profile(recipe, workspace, progress)[1]
+def operators_and_chains(cards: list[Card]) -> tuple[list[Card], list[Card]]:
+    """(operator cards, fusion chain cards), each largest share first. Operator shares add up to the
+    whole; a chain's share overlaps the operator calls it replaces, so the two are shown apart."""
+    ranked = sorted(cards, key=lambda c: -(c.profile.share if c.profile else 0.0))
+    return [c for c in ranked if c.kind != "fusion"], [c for c in ranked if c.kind == "fusion"]
 
 
 def top_share(cards: list[Card], n: int) -> list[Card]:

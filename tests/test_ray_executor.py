@@ -20,7 +20,7 @@ import torch
 ray = pytest.importorskip("ray", reason='the Ray executor tests need the ray extra: pip install "forgepack[ray]"')
 
 from forgepack import accepted as accepted_mod  # noqa: E402
-from forgepack import profile as profile_mod  # noqa: E402
+from forgepack import pipeline  # noqa: E402
 from forgepack import recipe as recipe_mod  # noqa: E402
 from forgepack.capture import card_from_call  # noqa: E402
 from forgepack.errors import ForgepackError  # noqa: E402
@@ -53,7 +53,7 @@ def profiled(tmp_path_factory, cluster) -> Path:
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("FORGEPACK_CACHE", str(root / "cache"))
         ws = Workspace(root / "ws")
-        profile_mod.ensure_profile(recipe_mod.resolve("tiny-llama"), ws)
+        pipeline.profile(recipe_mod.resolve("tiny-llama"), ws)
     return ws.root
 
 
@@ -286,8 +286,8 @@ def test_one_actor_per_gpu_evaluates_a_cuda_search(cluster, tmp_path):
     """On a GPU host (needs ray there): one evaluator actor per GPU, each on its own device."""
     r = recipe_mod.resolve("tiny-llama").replace(target={"device": "cuda"})
     ws = Workspace(tmp_path / "ws")
-    cards = profile_mod.ensure_profile(r, ws)
-    arch = profile_mod.load_profile(ws).arch
+    profiled = pipeline.profile(r, ws)
+    cards, arch = list(profiled.cards), profiled.profile.arch
     with RayExecutor("cuda", arch=arch) as executor:
         assert executor.evaluators == torch.cuda.device_count() and not executor.refused
         assert {i["identity"].arch for i in executor.actor_info()} == {arch}

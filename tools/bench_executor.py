@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import benchlib
 
-from forgepack import profile, recipe, workspace
+from forgepack import pipeline, recipe, workspace
 from forgepack.search import run
 from forgepack.search.executor import LocalExecutor, visible_devices
 from forgepack.search.proposers import make
@@ -259,10 +259,11 @@ def main() -> None:
         os.environ["FORGEPACK_CACHE"] = str(root / "cache-profile")
         profiled = workspace.Workspace.for_recipe(r, root / "profiled").root
         t0 = time.monotonic()
-        cards = profile.ensure_profile(r, workspace.Workspace(profiled))
+        done = pipeline.profile(r, workspace.Workspace(profiled))
+        cards = list(done.cards)
         print(f"profiled {r.name} on {r.target.device} in {time.monotonic() - t0:.0f} s: {len(cards)} cards",
               flush=True)
-        arch = profile.load_profile(workspace.Workspace(profiled)).arch if r.target.device == "cuda" else None
+        arch = pipeline.target_facts(r, done.profile).arch
         names = args.arms.split(",")
         arms = []
         for repeat in range(args.repeat):  # ABBA: an arm's place in the order (warm caches, load) evens out

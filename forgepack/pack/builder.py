@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from forgepack import __version__
+from forgepack import __version__, packreport
 from forgepack import accepted as accepted_mod
 from forgepack import recipe as recipe_mod
 from forgepack.accepted import AcceptedKernel
@@ -41,25 +41,14 @@ from forgepack.pack import fusedgen, shimgen
 from forgepack.pack import gate as gate_mod
 from forgepack.pack import manifest as manifest_mod
 from forgepack.pack.manifest import Manifest, OutputTolerance, PackFile, PackVariant, Provenance
+from forgepack.packreport import Decision, PackReport
 from forgepack.recipe import Recipe
 from forgepack.runtime import tolerances
 from forgepack.workspace import Workspace
 
 RUNTIME_DIR = Path(__file__).parent.parent / "runtime"
 SHIM_LIBRARY = "shim/libforgepack_shim.so"
-REPORT = "pack_report.json"
-
-
-@dataclass(frozen=True)
-class Decision:
-    card_id: str
-    op: str
-    signature: str
-    kept: bool
-    stage: str  # "select" | "gate"
-    reason: str
-    speedup: float | None = None  # in isolation (the search's measurement)
-    e2e_ratio: float | None = None  # gate: model time without it / with it
+REPORT = packreport.FILE
 
 
 @dataclass(frozen=True)
@@ -387,15 +376,8 @@ def _no_graphs(manifest: Manifest) -> dict[str, Any]:
 
 def _finish(ws: Workspace, recipe: Recipe, wheel: Path | None, manifest: Manifest | None,
             decisions: list[Decision], status: str, summary: dict, margin: float) -> PackResult:
-    report = ws.write_json(REPORT, {
-        "recipe": recipe.name,
-        "wheel": str(wheel) if wheel else None,
-        "gate": status,
-        "margin": margin,
-        "summary": summary,
-        "kept": [dataclasses.asdict(d) for d in decisions if d.kept],
-        "dropped": [dataclasses.asdict(d) for d in decisions if not d.kept],
-    })
+    doc = PackReport.of(recipe.name, str(wheel) if wheel else None, status, margin, summary, decisions)
+    report = ws.write_json(REPORT, doc.to_json())
     return PackResult(wheel, manifest, tuple(decisions), report, status, summary)
 
 

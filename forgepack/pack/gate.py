@@ -24,20 +24,20 @@ Run in a subprocess (`python -m forgepack.pack.gate`), so the build process neve
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import importlib
 import json
 import os
-import random
 import statistics
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from forgepack import intervals
+from forgepack import intervals, modeltiming
 from forgepack.errors import ForgepackError
 from forgepack.runtime import tolerances
 
@@ -286,28 +286,20 @@ def measure(lm, pack, configs: dict[str, set[str] | None], rounds: int, reps: in
             graphed: bool = False) -> Timing:
     """Per-round median model time (ms) for each config; None = stock (pack deactivated). `graphed`:
     each config's forward is replayed from its own CUDA graph, so GPU time counts, not launches."""
-    rng = random.Random(seed)
-    names = list(configs)
-    times: dict[str, list[float]] = {n: [] for n in names}
     forward = _Forward(lm, pack, graphed)
-    for _ in range(rounds):
-        rng.shuffle(names)
-        for name in names:
-            ids = configs[name]
-            if ids is None:
-                pack.deactivate()
-            else:
-                pack.activate(strict=True)
-                pack.enable_only(ids)
-            forward(name)  # warm-up after switching
-            samples = []
-            for _ in range(reps):
-                _sync(lm.device)
-                t0 = time.perf_counter()
-                forward(name)
-                _sync(lm.device)
-                samples.append((time.perf_counter() - t0) * 1e3)
-            times[name].append(statistics.median(samples))
+
+    @contextlib.contextmanager
+    def switched(name: str):
+        ids = configs[name]
+        if ids is None:
+            pack.deactivate()
+        else:
+            pack.activate(strict=True)
+            pack.enable_only(ids)
+        yield
+
+    forwards = {name: functools.partial(forward, name) for name in configs}
+    times = modeltiming.interleaved_ms(forwards, rounds, reps, modeltiming.device_sync(lm.device), seed, switched)
     pack.deactivate()
     failed = forward.failures()
     if failed:

@@ -3,7 +3,7 @@
 The search only needs `Executor`: ``submit(card, source, samples_path) -> Future[Verdict]`` and
 ``slots`` (how many candidates it can usefully have in flight). `LocalExecutor` implements it on this
 host; `forgepack.search.ray_executor.RayExecutor` implements the same members on a Ray cluster
-(`make_executor` picks one by name). Either way a verdict names the object that was verified and
+(`forgepack.pipeline.make_executor` picks one by name). Either way a verdict names the object that was verified and
 timed and carries its sha256 (``diagnostics["binary_sha256"]``): the search keeps that exact file,
 and the pack builder refuses a file whose hash differs.
 
@@ -26,10 +26,9 @@ import inspect
 import math
 import os
 import queue
-import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Protocol
@@ -87,9 +86,6 @@ def supported_options(cls: type, options: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in options.items() if k in params}
 
 
-EXECUTORS = ("local", "ray")
-
-
 def file_sha256(path: str | Path) -> str:
     h = hashlib.sha256()
     with Path(path).open("rb") as f:
@@ -133,50 +129,6 @@ class Pace:
                 self._compile_s = 0.8 * self._compile_s + 0.2 * compiled.seconds
             if verdict.category not in ("static", "compile"):
                 self._evaluate_s = 0.8 * self._evaluate_s + 0.2 * evaluate_s
-
-
-def check_executor(kind: str, address: str | None = None) -> None:
-    """Bad executor options fail before a build profiles anything."""
-    from forgepack.errors import UsageError
-
-    if kind not in EXECUTORS:
-        raise UsageError(f"--executor must be one of {', '.join(EXECUTORS)}, got {kind!r}")
-    if address and kind != "ray":
-        raise UsageError("--ray-address needs --executor ray")
-    if kind == "ray":
-        from forgepack.search.ray_executor import import_ray
-
-        import_ray()
-
-
-def make_executor(kind: str, target: str, arch: str | None = None, margin: float = 0.05,
-                  address: str | None = None, **options: Any) -> Executor:
-    """The executor named `kind` ("local" or "ray"; `address` is the Ray cluster's, default a local one)."""
-    check_executor(kind, address)
-    if kind == "local":
-        return LocalExecutor(target, arch=arch, margin=margin, **options)
-    from forgepack.search.ray_executor import RayExecutor
-
-    return RayExecutor(target, arch=arch, margin=margin, address=address, **options)
-
-
-def build_each(specs: list[str], build_one: Callable[[str], Any], workspace: str | None = None) -> None:
-    """Several recipes in one command, one after another: each gets its own workspace and pack, and all
-    share the executor's cluster (one Ray session per process, its compile registry included). A
-    recipe that fails is reported and the others still build; the command then fails."""
-    from forgepack.errors import ForgepackError, UsageError
-
-    if workspace:
-        raise UsageError("--workspace names one recipe's workspace: leave it out to build several recipes")
-    failed = []
-    for spec in specs:
-        try:
-            build_one(spec)
-        except ForgepackError as err:
-            failed.append(f"{spec}: {err}")
-            print(f"forgepack: {spec} failed: {err}", file=sys.stderr)
-    if failed:
-        raise ForgepackError(f"{len(failed)} of {len(specs)} recipes failed: " + "; ".join(failed))
 
 
 class LocalExecutor:

@@ -30,7 +30,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from forgepack.cards import Card
-from forgepack.compile import default_arch
 from forgepack.templates.common import Template, align_check, ceil_div, ctype, entry, launch_status, prelude
 
 TILES = ["128x128", "128x256", "256x128", "64x128"]
@@ -259,12 +258,10 @@ WG_BK = 64  # one 128-byte swizzle row of fp16/bf16 per operand row
 class WgmmaTemplate(GemmTemplate):
     """The same product on Hopper's warpgroup MMA: operands read by the tensor cores straight from
     128-byte-swizzled shared memory, which WMMA's register-fragment loads cannot match. The default
-    is the fastest point measured on GPT-2's LM head (128x128, 3 stages, two blocks per SM)."""
+    is the fastest point measured on GPT-2's LM head (128x128, 3 stages, two blocks per SM).
+    Hopper only (`archs`): the target's arch comes from the recipe or the profiled GPU, not this host."""
 
     def plan(self, card: Card, target: str):
-        arch = default_arch()
-        if arch != "sm_90":
-            return f"wgmma is Hopper's (sm_90); this machine compiles for {arch}"
         plan = super().plan(card, target)
         if isinstance(plan, GemmPlan) and plan.k % WG_BK:
             return f"K must be a multiple of {WG_BK}"
@@ -561,6 +558,6 @@ __global__ void __launch_bounds__({threads}) fp_gemv(const {t}* __restrict__ a, 
 
 TEMPLATES = (
     GemmTemplate("gemm.mm_unaligned", "gemm", ("cuda", "cpu"), ("aten.mm.default",)),
-    WgmmaTemplate("gemm.mm_unaligned_wgmma", "gemm", ("cuda",), ("aten.mm.default",)),
+    WgmmaTemplate("gemm.mm_unaligned_wgmma", "gemm", ("cuda",), ("aten.mm.default",), archs=("sm_90",)),
     GemvTemplate("gemm.mv_rows", "gemm", ("cuda",), ("aten.mm.default",)),
 )
