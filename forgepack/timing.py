@@ -146,14 +146,20 @@ def compare(
 
 
 def bootstrap_ratio_ci(
-    a: list[float], b: list[float], n: int = 1000, alpha: float = 0.05, seed: int = 0
+    a: list[float], b: list[float], n: int = 1000, alpha: float = 0.05, seed: int = 0, paired: bool = False
 ) -> tuple[float, float]:
-    """Percentile bootstrap interval of median(a)/median(b)."""
+    """Percentile bootstrap interval of median(a)/median(b). `paired`: a[i] and b[i] were measured
+    together (one round of interleaved model timings), so they are resampled together and a slow round
+    slows both sides."""
     rng = random.Random(seed)
     ratios = []
     for _ in range(n):
-        ra = statistics.median(rng.choices(a, k=len(a)))
-        rb = statistics.median(rng.choices(b, k=len(b)))
+        if paired:
+            rows = rng.choices(range(len(a)), k=len(a))
+            ra, rb = statistics.median(a[i] for i in rows), statistics.median(b[i] for i in rows)
+        else:
+            ra = statistics.median(rng.choices(a, k=len(a)))
+            rb = statistics.median(rng.choices(b, k=len(b)))
         ratios.append(ra / rb)
     ratios.sort()
     return ratios[int(n * alpha / 2)], ratios[int(n * (1 - alpha / 2)) - 1]

@@ -28,6 +28,7 @@ from pack_kernels import tiny_llama_workspace
 from forgepack.accepted import load_all
 from forgepack.pack import build_pack
 from forgepack.pack import manifest as manifest_mod
+from forgepack.pack.runtime import GraphVerdict
 
 REPO = Path(__file__).resolve().parent.parent
 PACKAGE = "forgepack_pack_tiny_llama"
@@ -360,7 +361,7 @@ def test_bench_gives_no_graph_number_where_the_manifest_turns_graph_mode_off(bui
             data = src.read(item)
             if item.filename.endswith("/manifest.toml"):
                 m = manifest_mod.loads(data.decode())
-                off = {"enabled": False, "reason": "cpu target: CUDA graphs need a GPU"}
+                off = GraphVerdict(False, "cpu target: CUDA graphs need a GPU")
                 data = manifest_mod.dumps(dataclasses.replace(m, graphs=off)).encode()
             dst.writestr(item, data)
     cmd = [sys.executable, "-m", "forgepack", "bench", "tiny-llama", "--target", "cpu", "--pack", str(wheel),

@@ -16,7 +16,7 @@ from rich.table import Table
 
 from forgepack import profile as profile_mod
 from forgepack.cli.common import console, out, progress, resolve, workspace_for
-from forgepack.errors import UsageError
+from forgepack.errors import ForgepackError, UsageError
 from forgepack.pack import builder as pack_builder
 from forgepack.recipe import Recipe
 from forgepack.search import allocator, run
@@ -88,8 +88,10 @@ def build_command(
     elif packed.wheel:
         console.print(f"pack: {packed.wheel} (gate {packed.gate})\n"
                       f"install it with: pip install {packed.wheel}")
-    else:
+    elif not packed.refused:
         console.print(f"no pack written ({packed.gate}): no kernel was accepted and kept; see the tables above")
+    if packed.refused:  # the gate would not ship a pack that is slower or changes outputs: a failed build
+        raise ForgepackError(f"no pack written: {packed.refused}")
 
 
 def make_proposer(recipe: Recipe):

@@ -13,7 +13,7 @@ from rich.table import Table
 from forgepack.cli.common import out
 from forgepack.errors import ForgepackError, UsageError
 from forgepack.pack import manifest as manifest_mod
-from forgepack.pack.manifest import Manifest
+from forgepack.pack.manifest import GateSummary, Manifest
 
 
 def register(app: typer.Typer) -> None:
@@ -89,10 +89,11 @@ def overview(m: Manifest) -> Table:
     return table
 
 
-def _gate_text(s: dict) -> str:
-    if not s.get("stock_ms"):
+def _gate_text(s: GateSummary) -> str:
+    if not s.stock_ms:
         return ""
-    return f": model {s['stock_ms']:.2f} ms stock, {s['pack_ms']:.2f} ms with the pack ({s['speedup']:.3f}x)"
+    ci = f", 95% CI {s.ci[0]:.3f}-{s.ci[1]:.3f}" if s.ci else ""
+    return f": model median {s.stock_ms:.2f} ms stock, {s.pack_ms:.2f} ms with the pack ({s.speedup:.3f}x{ci})"
 
 
 def variants_table(m: Manifest) -> Table:

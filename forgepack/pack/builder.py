@@ -40,7 +40,8 @@ from forgepack.errors import ForgepackError
 from forgepack.pack import fusedgen, shimgen
 from forgepack.pack import gate as gate_mod
 from forgepack.pack import manifest as manifest_mod
-from forgepack.pack.manifest import Manifest, OutputTolerance, PackFile, PackVariant, Provenance
+from forgepack.pack.manifest import GateSummary, Manifest, OutputTolerance, PackFile, PackVariant, Provenance
+from forgepack.pack.runtime import GraphVerdict
 from forgepack.recipe import Recipe
 from forgepack.workspace import Workspace
 
@@ -67,8 +68,9 @@ class PackResult:
     manifest: Manifest | None
     decisions: tuple[Decision, ...]
     report: Path
-    gate: str  # "passed" | "skipped" | "empty" (nothing to ship)
-    gate_summary: dict[str, Any] = dataclasses.field(default_factory=dict)
+    gate: str  # "passed" | "skipped" | "empty" (nothing selected) | "failed" (the gate let nothing ship)
+    gate_summary: GateSummary = dataclasses.field(default_factory=GateSummary)
+    refused: str = ""  # gate "failed": why no wheel was written
 
     @property
     def kept(self) -> list[Decision]:
@@ -328,13 +330,13 @@ def _build(workspace: Workspace, recipe: Recipe, margin: float, gate: bool, out_
     recipe = recipe_mod.concrete(recipe)  # target "auto" -> the device here
     chosen, decisions = select(workspace, recipe, margin)
     if not chosen:
-        return _finish(workspace, recipe, None, None, decisions, "empty", {}, margin)
+        return _finish(workspace, recipe, None, None, decisions, "empty", GateSummary(), margin)
     version = f"{__version__}.{dt.datetime.now(dt.timezone.utc):%Y%m%d%H%M%S}+{_torch_tag()}"
     root = workspace.pack_dir / "stage"
     note(f"staging {len(chosen)} kernels and compiling the guarded dispatch shim")
     manifest = stage(workspace, recipe, chosen, root, version, "pending" if gate else "skipped")
     ratios: dict[str, float] = {}
-    summary: dict[str, Any] = {}
+    summary = GateSummary()
     if gate:
         note("end-to-end gate: outputs, use and pay of every kernel in the model")
         outcome = gate_mod.run(recipe, root, manifest.name, "full", rounds=rounds)
@@ -343,10 +345,9 @@ def _build(workspace: Workspace, recipe: Recipe, margin: float, gate: bool, out_
             if c.card.id in outcome.dropped:
                 decisions.append(Decision(c.card.id, c.card.op, c.card.signature(), False, "gate",
                                           outcome.dropped[c.card.id], c.kernel.speedup, ratios.get(c.card.id)))
-        kept_ids = set(outcome.kept)
-        summary = {**outcome.summary, "outputs": outcome.outputs.get("note", "")}
-        if not kept_ids:
-            return _finish(workspace, recipe, None, None, decisions, "empty", summary, margin)
+        kept_ids, summary, verdict = set(outcome.kept), outcome.summary, outcome.graphs
+        if not kept_ids or outcome.refused:
+            return _refuse(workspace, recipe, chosen, decisions, outcome, margin)
         if kept_ids != {c.card.id for c in chosen}:
             chosen = [c for c in chosen if c.card.id in kept_ids]
             note(f"rebuilding with the {len(chosen)} kernels that pay, and checking it again")
@@ -354,9 +355,11 @@ def _build(workspace: Workspace, recipe: Recipe, margin: float, gate: bool, out_
             check = gate_mod.run(recipe, root, manifest.name, "verify", rounds=rounds)
             if set(check.kept) != kept_ids:
                 raise ForgepackError(f"the rebuilt pack failed the end-to-end check: {check.dropped}")
-            first = {k: outcome.summary[k] for k in ("graphs_first",) if k in outcome.summary}
-            summary = {**check.summary, **first, "outputs": check.outputs.get("note", "")}
-        manifest = finalize(root, manifest, "passed", ratios, summary)
+            if check.refused:
+                return _refuse(workspace, recipe, chosen, decisions, check, margin)
+            summary = dataclasses.replace(check.summary, graphs_first=outcome.summary.graphs_first)
+            verdict = check.graphs
+        manifest = finalize(root, manifest, "passed", ratios, summary, verdict)
     for c in chosen:
         decisions.append(Decision(c.card.id, c.card.op, c.card.signature(), True, "gate" if gate else "select",
                                   "kept" if gate else "kept (gate skipped)", c.kernel.speedup,
@@ -366,34 +369,47 @@ def _build(workspace: Workspace, recipe: Recipe, margin: float, gate: bool, out_
     return _finish(workspace, recipe, wheel, manifest, decisions, "passed" if gate else "skipped", summary, margin)
 
 
-def finalize(root: Path, manifest: Manifest, gate: str, ratios: dict[str, float], summary: dict) -> Manifest:
+def finalize(root: Path, manifest: Manifest, gate: str, ratios: dict[str, float], summary: GateSummary,
+             graphs: GraphVerdict | None) -> Manifest:
     """Record the gate's outcome in the staged manifest (the manifest is not among the digested files)."""
     variants = tuple(dataclasses.replace(v, e2e_ratio=ratios.get(v.id)) for v in manifest.variants)
-    graphs = summary.get("graphs") or _no_graphs(manifest)
-    rest = {k: v for k, v in summary.items() if k != "graphs"}
-    final = dataclasses.replace(manifest, gate=gate, variants=variants, gate_summary=_drop_none(rest), graphs=graphs)
+    final = dataclasses.replace(manifest, gate=gate, variants=variants, gate_summary=summary,
+                                graphs=graphs or _no_graphs(manifest))
     (root / manifest.name / manifest_mod.FILE).write_text(manifest_mod.dumps(final))
     return final
 
 
-def _no_graphs(manifest: Manifest) -> dict[str, Any]:
+def _no_graphs(manifest: Manifest) -> GraphVerdict:
     if manifest.target != "cuda":
-        return {"enabled": False, "reason": "cpu target: CUDA graphs need a GPU"}
-    return {}
+        return GraphVerdict(False, "cpu target: CUDA graphs need a GPU")
+    return GraphVerdict()
+
+
+def _refuse(ws: Workspace, recipe: Recipe, chosen: list[_Chosen], decisions: list[Decision],
+            outcome: gate_mod.GateOutcome, margin: float) -> PackResult:
+    """The gate let no pack ship: no wheel, the kernels it kept so far recorded as dropped with why."""
+    why = outcome.refused or "no kernel passed the end-to-end gate (see the reasons per kernel)"
+    for c in chosen:
+        if c.card.id in outcome.kept:
+            decisions.append(Decision(c.card.id, c.card.op, c.card.signature(), False, "gate", why,
+                                      c.kernel.speedup, outcome.ratios.get(c.card.id, (None,))[0]))
+    return _finish(ws, recipe, None, None, decisions, "failed", outcome.summary, margin, refused=why)
 
 
 def _finish(ws: Workspace, recipe: Recipe, wheel: Path | None, manifest: Manifest | None,
-            decisions: list[Decision], status: str, summary: dict, margin: float) -> PackResult:
+            decisions: list[Decision], status: str, summary: GateSummary, margin: float,
+            refused: str = "") -> PackResult:
     report = ws.write_json(REPORT, {
         "recipe": recipe.name,
         "wheel": str(wheel) if wheel else None,
         "gate": status,
+        "refused": refused,
         "margin": margin,
-        "summary": summary,
+        "summary": summary.to_json(),
         "kept": [dataclasses.asdict(d) for d in decisions if d.kept],
         "dropped": [dataclasses.asdict(d) for d in decisions if not d.kept],
     })
-    return PackResult(wheel, manifest, tuple(decisions), report, status, summary)
+    return PackResult(wheel, manifest, tuple(decisions), report, status, summary, refused)
 
 
 def report_table(result: PackResult):
@@ -401,6 +417,8 @@ def report_table(result: PackResult):
     from rich.table import Table
 
     title = f"pack: {result.wheel.name if result.wheel else 'no wheel (nothing to ship)'} (gate {result.gate})"
+    if result.refused:
+        title = f"pack: no wheel (gate {result.gate}: {result.refused})"
     table = Table(title=title)
     for name, justify in (("variant", "left"), ("signature", "left"), ("alone", "right"), ("e2e", "right"),
                           ("", "left"), ("why", "left")):
@@ -415,9 +433,14 @@ def report_table(result: PackResult):
 def summary_line(result: PackResult) -> str:
     s = result.gate_summary
     text = f"{len(result.kept)} kernels kept, {len(result.dropped)} dropped"
-    if s.get("stock_ms"):
-        text += f"; model {s['stock_ms']:.2f} ms stock, {s['pack_ms']:.2f} ms with the pack ({s['speedup']:.3f}x"
-        text += ", both replayed from CUDA graphs)" if s.get("timed_under") == "graphs" else ")"
+    if s.stock_ms:
+        # the ratio is the two medians' (per-round median times), so it is the one these times give
+        text += (f"; model median {s.stock_ms:.2f} ms stock, {s.pack_ms:.2f} ms with the pack: "
+                 f"{s.stock_ms / s.pack_ms:.3f}x")
+        text += f" (95% CI {s.ci[0]:.3f}-{s.ci[1]:.3f})" if s.ci else ""
+        text += ", both replayed from CUDA graphs" if s.timed_under == "graphs" else ""
+    if result.refused:
+        return text + f"; no wheel written: {result.refused}"
     return text + (f"; wheel: {result.wheel}" if result.wheel else "; no wheel written")
 
 

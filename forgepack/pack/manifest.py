@@ -21,6 +21,7 @@ from typing import Any
 import tomllib
 
 from forgepack.cards import Arg, TensorMeta, ValueStats
+from forgepack.pack.runtime import GraphVerdict
 
 FORMAT = 1
 FILE = "manifest.toml"
@@ -78,6 +79,42 @@ class Provenance:
 
 
 @dataclass(frozen=True)
+class GateSummary:
+    """What the end-to-end gate measured for the pack it passed: the model's median time per round
+    stock and with the pack, `speedup` = stock_ms / pack_ms (those same medians) with the paired
+    bootstrap 95% interval `ci` of that ratio; `pays`: the interval lies above 1."""
+
+    stock_ms: float | None = None
+    pack_ms: float | None = None
+    speedup: float | None = None
+    ci: tuple[float, float] | None = None
+    rounds: int = 0
+    reps: int = 0
+    timed_under: str = ""  # "graphs" | "eager"
+    pays: bool | None = None
+    outputs: str = ""  # the output check's note
+    graphs_first: GraphVerdict | None = None  # graph replay with every candidate kernel, when it failed
+
+    def to_json(self) -> dict[str, Any]:
+        d = {k: v for k, v in dataclasses.asdict(self).items() if v is not None and v != ""}
+        if self.ci is not None:
+            d["ci"] = list(self.ci)
+        if self.graphs_first is not None:
+            d["graphs_first"] = self.graphs_first.to_json()
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any] | None) -> GateSummary:
+        d = dict(d or {})
+        if d.get("ci") is not None:
+            d["ci"] = tuple(d["ci"])
+        if d.get("graphs_first") is not None:
+            d["graphs_first"] = GraphVerdict.from_json(d["graphs_first"])
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+
+@dataclass(frozen=True)
 class Manifest:
     name: str  # the Python package: forgepack_pack_<slug>
     slug: str
@@ -98,9 +135,9 @@ class Manifest:
     variants: tuple[PackVariant, ...]
     files: tuple[PackFile, ...] = ()
     provenance: Provenance = field(default_factory=lambda: Provenance("", ""))
-    gate_summary: dict[str, Any] = field(default_factory=dict)  # stock/pack model time, speed-up
+    gate_summary: GateSummary = field(default_factory=GateSummary)  # stock/pack model time, speed-up
     align_bytes: int = 16
-    graphs: dict[str, Any] = field(default_factory=dict)  # graph mode: {"enabled": bool, "reason": str}
+    graphs: GraphVerdict = field(default_factory=GraphVerdict)  # graph mode's verdict from the gate
 
     def file(self, path: str) -> PackFile | None:
         return next((f for f in self.files if f.path == path), None)
@@ -152,8 +189,8 @@ def to_dict(m: Manifest) -> dict[str, Any]:
                   "python": m.python, "align_bytes": m.align_bytes},
         "shim": {"namespace": m.namespace, "library": m.shim, "source": m.shim_source},
         "provenance": dataclasses.asdict(m.provenance),
-        "gate_summary": m.gate_summary,
-        "graphs": m.graphs,
+        "gate_summary": m.gate_summary.to_json(),
+        "graphs": m.graphs.to_json(),
         "variants": variants,
         "files": [dataclasses.asdict(f) for f in m.files],
     })
@@ -210,9 +247,9 @@ def from_dict(d: dict[str, Any]) -> Manifest:
         variants=tuple(_variant(v) for v in d.get("variants", ())),
         files=tuple(PackFile(**f) for f in d.get("files", ())),
         provenance=Provenance(**prov),
-        gate_summary=d.get("gate_summary", {}),
+        gate_summary=GateSummary.from_json(d.get("gate_summary")),
         align_bytes=build.get("align_bytes", 16),
-        graphs=d.get("graphs", {}),
+        graphs=GraphVerdict.from_json(d.get("graphs")),
     )
 
 

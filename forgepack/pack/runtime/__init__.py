@@ -29,6 +29,7 @@ import logging
 import os
 import threading
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +46,25 @@ class PackError(RuntimeError):
     """Raised by `activate(strict=True)` when the pack cannot be used here; the message says why."""
 
 
+@dataclass(frozen=True)
+class GraphVerdict:
+    """Graph mode's verdict, as the build's gate found it and the manifest's `[graphs]` carries it:
+    whether the forward replays from CUDA graphs like eager with the pack's kernels. `enabled` None:
+    never judged (the gate skipped), so graph mode is allowed and unproven."""
+
+    enabled: bool | None = None
+    reason: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {} if self.enabled is None else {"enabled": self.enabled, "reason": self.reason}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any] | None) -> GraphVerdict:
+        d = d or {}
+        enabled = d.get("enabled")
+        return cls(None if enabled is None else bool(enabled), str(d.get("reason", "")))
+
+
 # --- the manifest ------------------------------------------------------------------------------------
 
 
@@ -57,6 +77,11 @@ def manifest() -> dict[str, Any]:
             import tomli as tomllib
         _STATE["manifest"] = tomllib.loads((HERE / "manifest.toml").read_text())
     return _STATE["manifest"]
+
+
+def graph_verdict() -> GraphVerdict:
+    """The build's graph mode verdict for this pack (the manifest's `[graphs]`)."""
+    return GraphVerdict.from_json(manifest().get("graphs"))
 
 
 def _op_ids() -> list[str]:
@@ -214,9 +239,9 @@ def _model_class() -> type | None:
 def _enable_graphs(model: Any, options: dict[str, Any]) -> None:
     from . import graphs as graphs_mod
 
-    verdict = manifest().get("graphs", {})
-    if verdict.get("enabled") is False:
-        warnings.warn(f"{__name__}: graph mode is off for this model: {verdict.get('reason', 'no reason given')}",
+    verdict = graph_verdict()
+    if verdict.enabled is False:
+        warnings.warn(f"{__name__}: graph mode is off for this model: {verdict.reason or 'no reason given'}",
                       RuntimeWarning, stacklevel=4)
         return
     target = model if model is not None else _model_class()
