@@ -40,7 +40,15 @@ from forgepack.errors import ForgepackError
 from forgepack.pack import fusedgen, shimgen
 from forgepack.pack import gate as gate_mod
 from forgepack.pack import manifest as manifest_mod
-from forgepack.pack.manifest import GateSummary, Manifest, OutputTolerance, PackFile, PackVariant, Provenance
+from forgepack.pack.manifest import (
+    FusedKernel,
+    GateSummary,
+    Manifest,
+    OutputTolerance,
+    PackFile,
+    PackVariant,
+    Provenance,
+)
 from forgepack.pack.runtime import GraphVerdict
 from forgepack.recipe import Recipe
 from forgepack.workspace import Workspace
@@ -229,9 +237,10 @@ def stage(ws: Workspace, recipe: Recipe, chosen: list[_Chosen], root: Path, vers
                                     namespace, target, title=name)
             (pkg / "sources" / "shim.cpp").write_text(code)
             shimgen.compile_shim(pkg / "sources" / "shim.cpp", pkg / SHIM_LIBRARY, [pkg / "sources"])
+        spec = {}
         if fusions:  # kernels/, sources/, shim/libforgepack_fused.so, modules.json (digested like the rest)
-            fusedgen.stage(pkg, [(c.card, ws.root / c.kernel.binary, ws.root / c.kernel.source) for c in fusions],
-                           namespace, target, title=name)
+            spec = fusedgen.stage(pkg, [(c.card, ws.root / c.kernel.binary, ws.root / c.kernel.source)
+                                        for c in fusions], namespace, target, title=name)
     except RuntimeError as err:
         raise ForgepackError(str(err).splitlines()[0] + " " + " | ".join(str(err).splitlines()[1:3])) from None
     files = tuple(PackFile(str(p.relative_to(pkg)), _sha256(p), p.stat().st_size)
@@ -252,6 +261,8 @@ def stage(ws: Workspace, recipe: Recipe, chosen: list[_Chosen], root: Path, vers
             proposers=tuple(sorted({c.kernel.proposer for c in chosen})), device=_device_name(target),
         ),
         align_bytes=shimgen.ALIGN_BYTES,
+        fused=tuple(FusedKernel(v["id"], v["op"], v["signature"], v["kernel"], v.get("calls", 0), tuple(v["sites"]))
+                    for v in spec.get("variants", ())),
     )
     (pkg / manifest_mod.FILE).write_text(manifest_mod.dumps(manifest))
     return manifest
@@ -265,11 +276,11 @@ def _drop_none(d: dict) -> dict:
 
 _SETUP = """
 import sys, setuptools
-name, version, plat, dist = sys.argv[1:5]
+name, version, plat, dist, torch_req = sys.argv[1:6]
 setuptools.setup(
     name=name, version=version, packages=[name],
     package_data={name: ["manifest.toml", "modules.json", "shim/*", "kernels/*", "sources/*"]},
-    install_requires=["torch", "tomli; python_version < '3.11'"], python_requires=">=3.10",
+    install_requires=[torch_req, "tomli; python_version < '3.11'"], python_requires=">=3.10",
     description="forgepack kernel pack: verified kernels behind C++ guards for one model",
     script_args=["-q", "bdist_wheel", "--python-tag", "py3", "--plat-name", plat, "--dist-dir", dist],
 )
@@ -281,7 +292,8 @@ def build_wheel(root: Path, manifest: Manifest, out_dir: Path) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     dist = (root / "dist").resolve()  # setuptools runs with cwd=root: a relative path would point elsewhere
     shutil.rmtree(dist, ignore_errors=True)
-    cmd = [sys.executable, "-c", _SETUP, manifest.name, manifest.version, manifest.platform, str(dist)]
+    cmd = [sys.executable, "-c", _SETUP, manifest.name, manifest.version, manifest.platform, str(dist),
+           torch_requirement(manifest.torch)]
     proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, check=False)
     wheels = sorted(dist.glob("*.whl"))
     if proc.returncode != 0 or len(wheels) != 1:
@@ -289,10 +301,19 @@ def build_wheel(root: Path, manifest: Manifest, out_dir: Path) -> Path:
         raise ForgepackError(f"building the wheel failed: {tail}")
     _check_wheel(wheels[0], manifest)
     final = out_dir / wheels[0].name
+    for old in out_dir.glob(f"{manifest.name}-*.whl"):  # one wheel per pack: `pip install packs/<name>-*.whl`
+        old.unlink()
     shutil.copyfile(wheels[0], final)
     for leftover in ("build", "dist", f"{manifest.name}.egg-info"):
         shutil.rmtree(root / leftover, ignore_errors=True)
     return final
+
+
+def torch_requirement(version: str) -> str:
+    """The torch the shim was compiled against, to its minor: on any other the pack does nothing, so
+    pip must not pick another (a fresh environment would get the newest, a multi-GB download)."""
+    major, minor = (int(p) for p in version.split("+")[0].split(".")[:2])
+    return f"torch>={major}.{minor},<{major}.{minor + 1}"
 
 
 def _check_wheel(wheel: Path, manifest: Manifest) -> None:

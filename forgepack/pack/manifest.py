@@ -5,6 +5,10 @@ reads it to check the torch and CUDA versions and the GPU arch, to verify every 
 loading anything, and to name the shim's counters; the self-test draws fresh inputs from each
 variant's recorded arguments. `forgepack inspect` prints it.
 
+The manifest is tamper-evident: `dumps` writes its digest into it (`runtime.manifest_digest`, over
+everything else in it), and the loader refuses a manifest whose content does not match it, as it
+refuses any file of the pack the manifest does not list or whose sha256 differs.
+
 `loads(dumps(m)) == m` for every manifest. TOML is written here rather than with `tomli_w` because
 the GPU machines that build packs may not have it; the subset needed (tables, arrays of tables,
 inline tables, strings, numbers, booleans, arrays) is small.
@@ -21,7 +25,7 @@ from typing import Any
 import tomllib
 
 from forgepack.cards import Arg, TensorMeta, ValueStats
-from forgepack.pack.runtime import GraphVerdict
+from forgepack.pack.runtime import DIGEST_KEY, GraphVerdict, manifest_digest
 
 FORMAT = 1
 FILE = "manifest.toml"
@@ -60,6 +64,18 @@ class PackVariant:
     calls: int = 0  # per model forward, from capture
     modules: tuple[str, ...] = ()
     e2e_ratio: float | None = None  # gate: model time without this kernel / with it (> 1: it pays)
+
+
+@dataclass(frozen=True)
+class FusedKernel:
+    """A fused kernel of the pack (a module-level chain; served by module patches, `modules.json`)."""
+
+    id: str  # the card id
+    op: str  # the chain's name, e.g. "fused.rmsnorm"
+    signature: str
+    kernel: str  # path of its shared object inside the package
+    calls: int = 0  # per model forward
+    sites: tuple[int, ...] = ()  # the patched call forms it serves (modules.json's site numbers)
 
 
 @dataclass(frozen=True)
@@ -138,6 +154,7 @@ class Manifest:
     gate_summary: GateSummary = field(default_factory=GateSummary)  # stock/pack model time, speed-up
     align_bytes: int = 16
     graphs: GraphVerdict = field(default_factory=GraphVerdict)  # graph mode's verdict from the gate
+    fused: tuple[FusedKernel, ...] = ()
 
     def file(self, path: str) -> PackFile | None:
         return next((f for f in self.files if f.path == path), None)
@@ -192,6 +209,7 @@ def to_dict(m: Manifest) -> dict[str, Any]:
         "gate_summary": m.gate_summary.to_json(),
         "graphs": m.graphs.to_json(),
         "variants": variants,
+        "fused": [dataclasses.asdict(f) for f in m.fused],
         "files": [dataclasses.asdict(f) for f in m.files],
     })
 
@@ -250,11 +268,19 @@ def from_dict(d: dict[str, Any]) -> Manifest:
         gate_summary=GateSummary.from_json(d.get("gate_summary")),
         align_bytes=build.get("align_bytes", 16),
         graphs=GraphVerdict.from_json(d.get("graphs")),
+        fused=tuple(FusedKernel(**{**f, "sites": tuple(f.get("sites", ()))}) for f in d.get("fused", ())),
     )
 
 
 def dumps(m: Manifest) -> str:
-    return toml_dumps(to_dict(m))
+    return seal(to_dict(m))
+
+
+def seal(doc: dict[str, Any]) -> str:
+    """TOML for a manifest document with its digest (re)computed, as the loader will check it: over
+    the document as TOML gives it back."""
+    body = {k: v for k, v in doc.items() if k != DIGEST_KEY}
+    return toml_dumps({**body, DIGEST_KEY: manifest_digest(tomllib.loads(toml_dumps(body)))})
 
 
 def loads(text: str) -> Manifest:

@@ -21,7 +21,9 @@ def main(argv: list[str] | None = None) -> int:
         return from_pack.selftest(pack, seeds=args.inputs)
     m = pack.manifest()
     target = m["target"]
-    print(f"{m['name']} {m['version']}: {len(m.get('variants', []))} kernels for {m['model'].get('recipe', '?')}")
+    ops, fused = len(m.get("variants", [])), len(pack.fused_kernels())
+    kinds = f" ({ops} operator, {fused} fused)" if fused else ""
+    print(f"{m['name']} {m['version']}: {ops + fused} kernels{kinds} for {m['model'].get('recipe', '?')}")
     print(f"built for torch {m['build']['torch']}, {target['device']} {target.get('arch', '')}".rstrip())
     problem, _ = pack.environment_problem()
     print(f"here: {problem or 'can run'}")
