@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from forgepack import __version__, tolerances
+from forgepack import __version__, models, tolerances
 from forgepack import accepted as accepted_mod
 from forgepack import recipe as recipe_mod
 from forgepack.accepted import AcceptedKernel
@@ -348,7 +348,8 @@ def build_pack(workspace: Workspace, recipe: Recipe, margin: float = 0.05, gate:
 
 def _build(workspace: Workspace, recipe: Recipe, margin: float, gate: bool, out_dir: Path,
            note: Callable[[str], None], rounds: int) -> PackResult:
-    recipe = recipe_mod.concrete(recipe)  # target "auto" -> the device here
+    # target "auto" -> the device here; task "auto" -> the checkpoint's (the manifest records what ran)
+    recipe = models.resolve_task(recipe_mod.concrete(recipe))
     chosen, decisions = select(workspace, recipe, margin)
     if not chosen:
         return _finish(workspace, recipe, None, None, decisions, "empty", GateSummary(), margin)
