@@ -230,3 +230,16 @@ def test_the_gate_keeps_what_pays_the_same_way_twice_and_refuses_a_pack_that_doe
         assert run["refused"].startswith("the pack does not pay end to end")
         assert run["summary"]["pays"] is False and run["summary"]["ci"][1] < 1.0
         assert sum("dropped so that the pack pays" in why for why in run["dropped"].values()) == 2
+
+
+def test_a_build_whose_gate_lets_nothing_ship_fails_and_says_why(tmp_path):
+    """The gate used to label a 0.677x pack "gate passed": a pack that does not pay is no wheel and a
+    failed build (`forgepack build` exits non-zero with `refused`)."""
+    ws, recipe, cards = tiny_llama_workspace(tmp_path / "ws", entries=[])
+    add_unchecked(ws, find_card(cards, "aten.mul.Tensor", "f32[1,32,128], f32[1,32,128]"), SLOW_MUL)
+    result = build_pack(ws, recipe, margin=-0.99, gate=True, out_dir=tmp_path / "packs", rounds=3)
+    assert result.wheel is None and result.gate == "failed" and not result.kept
+    assert "end-to-end gate" in result.refused and "does not pay end to end" in result.dropped[0].reason
+    assert not (tmp_path / "packs").exists() or not list((tmp_path / "packs").iterdir())
+    assert json.loads((ws.root / "pack_report.json").read_text())["refused"] == result.refused
+    assert "no wheel written" in builder.summary_line(result)

@@ -80,9 +80,9 @@ def _graphed(ctx: BenchContext, col: Column, with_pack: bool) -> Callable[[], An
     import torch
 
     if with_pack:
-        verdict = ctx.pack.manifest().get("graphs", {})
-        if verdict.get("enabled") is False:  # activate(graphs=True) would run eagerly: no number for it
-            raise Skip(f"the pack's manifest turns graph mode off: {verdict.get('reason', 'no reason given')}")
+        verdict = ctx.pack.graph_verdict()
+        if verdict.enabled is False:  # activate(graphs=True) would run eagerly: no number for it
+            raise Skip(f"the pack's manifest turns graph mode off: {verdict.reason or 'no reason given'}")
     if ctx.lm.device.type != "cuda":
         raise Skip("CUDA graphs need a GPU")
     if with_pack:
