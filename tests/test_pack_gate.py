@@ -194,9 +194,9 @@ recipe = recipe_mod.resolve("tiny-llama")
 out = {}
 with models.quiet_transformers():
     lm = models.load(recipe)
-    for name, overhead, cost in json.loads(sys.argv[2]):
+    for name, overhead, cost, seeds in json.loads(sys.argv[2]):
         runs = [gate.evaluate(lm, pack, "full", rounds=5, reps=1, clock=HitClock(10.0, overhead, cost, seed))
-                for seed in (0, 1)]
+                for seed in seeds]
         out[name] = [r.to_json() for r in runs]
 print(json.dumps(out))
 """
@@ -210,9 +210,13 @@ def test_the_gate_keeps_what_pays_the_same_way_twice_and_refuses_a_pack_that_doe
     ids = {op: find_card(cards, op, sig).id for op, sig, src in keep}
     scenarios = [
         # rsqrt and silu save time per call, mean costs time: keep the two, drop mean
-        ("pays", 0.0, {"aten.rsqrt.default": -0.2, "aten.silu.default": -0.2, "aten.mean.dim": 0.1}),
+        ("pays", 0.0, {"aten.rsqrt.default": -0.2, "aten.silu.default": -0.2, "aten.mean.dim": 0.1}, [0, 1]),
         # every kernel saves a little, but an active pack costs more than they save together
-        ("never", 5.0, {"aten.rsqrt.default": -0.1, "aten.silu.default": -0.1, "aten.mean.dim": -0.1}),
+        ("never", 5.0, {"aten.rsqrt.default": -0.1, "aten.silu.default": -0.1, "aten.mean.dim": -0.1}, [0, 1]),
+        # mean makes no difference: with this jitter (seed 1) its interval straddles 1, and still does
+        # with more rounds. (A 95% interval can lie above 1 by chance: seed 0 keeps it, 2-3% of seeds
+        # do; the whole-pack check is what keeps such a pack from being slower than stock.)
+        ("unsure", 0.0, {"aten.rsqrt.default": -0.2, "aten.silu.default": -0.2, "aten.mean.dim": 0.0}, [1]),
     ]
     proc = subprocess.run([sys.executable, "-c", _CLOCKED, str(tmp_path / "stage"), json.dumps(scenarios)],
                           capture_output=True, text=True, timeout=900, check=False)
@@ -225,6 +229,11 @@ def test_the_gate_keeps_what_pays_the_same_way_twice_and_refuses_a_pack_that_doe
     assert "does not pay end to end" in first["dropped"][ids["aten.mean.dim"]]
     s = first["summary"]
     assert s["pays"] is True and s["ci"][0] > 1.0 and s["speedup"] == s["stock_ms"] / s["pack_ms"]
+
+    for run in out["unsure"]:
+        assert sorted(run["kept"]) == sorted(first["kept"])
+        why = run["dropped"][ids["aten.mean.dim"]]
+        assert "not shown to be slower without it" in why and "over 15 rounds" in why  # measured again, 3x
 
     for run in out["never"]:
         assert run["refused"].startswith("the pack does not pay end to end")
