@@ -7,10 +7,12 @@
    (compiled here with g++ against this torch), the runtime (`forgepack/pack/runtime/`), and
    `manifest.toml` with every file's sha256.
 3. Gate (`forgepack.pack.gate`, in a subprocess): outputs agree with stock, every kernel is used and
-   pays end to end; what is dropped is restaged and checked again ("verify"). `--no-gate` skips it and
-   the manifest says `gate = "skipped"`.
+   pays end to end, and so does the whole pack; what is dropped is restaged and checked again
+   ("verify"). A pack that does not pay is not shipped: no wheel, gate "failed", `refused` says why.
+   `--no-gate` skips it and the manifest says `gate = "skipped"`.
 4. Wheel: setuptools `bdist_wheel` in a subprocess (nothing is compiled at `pip install`; no network),
-   tagged `py3-none-<platform>` because the shim uses no Python ABI; it depends on torch only.
+   tagged `py3-none-<platform>` because the shim uses no Python ABI; it depends on the torch minor it
+   was built for only. It replaces any earlier wheel of the same pack in `packs/`.
 
 `pack_report.json` in the workspace and a console table say what was kept and dropped, and why.
 """
