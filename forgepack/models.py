@@ -269,8 +269,9 @@ def _download(repo_id: str, revision: str | None, filename: str | None = None) -
         offline = getattr(constants, "is_offline_mode", lambda: constants.HF_HUB_OFFLINE)()
         if offline:  # offline already: only the cache counts, and it lacks this
             raise ForgepackError(
-                f"{what} is not in the HF cache ({constants.HF_HUB_CACHE}) and HF_HUB_OFFLINE is set ({kind}): "
-                "download it once with network access, or use a local directory (model.path)"
+                f"cannot reach the Hugging Face Hub for {what}: HF_HUB_OFFLINE is set and it is not in the HF "
+                f"cache ({constants.HF_HUB_CACHE}; {kind}): download it once with network access, or use a "
+                "local directory (model.path)"
             ) from None
         raise ForgepackError(
             f"cannot reach the Hugging Face Hub for {what} ({kind}): use a local directory "

@@ -148,4 +148,5 @@ def test_a_hub_revision_not_in_the_cache_names_it_and_does_not_suggest_offline_w
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["None"] == "loaded"  # the cached revision loads offline
-    assert "'v2'" in out["v2"] and "not in the HF cache" in out["v2"] and "HF_HUB_OFFLINE=1" not in out["v2"]
+    assert "'v2'" in out["v2"] and "not in the HF cache" in out["v2"] and "HF_HUB_OFFLINE is set" in out["v2"]
+    assert "HF_HUB_OFFLINE=1" not in out["v2"]
