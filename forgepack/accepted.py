@@ -30,6 +30,7 @@ class AcceptedKernel:
     proposer: str  # "templates:<template name>", "anthropic:<model>", "manual"
     candidate_id: int | None = None
     kind: str = "op"  # "op" | "fusion"
+    binary_sha256: str = ""  # of the object that was verified and timed; the builder ships only that content
 
 
 def save_all(workspace_root: Path, kernels: list[AcceptedKernel]) -> Path:

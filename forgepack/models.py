@@ -20,7 +20,6 @@ at the same positions again; a dynamic cache is cropped back after each step.
 from __future__ import annotations
 
 import contextlib
-import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +29,7 @@ import torch
 
 from forgepack.errors import ForgepackError
 from forgepack.recipe import Recipe
+from forgepack.runtime.transformers_hooks import cache_kwarg_of
 
 _TASK_AUTO = {
     "causal-lm": "AutoModelForCausalLM",
@@ -314,17 +314,12 @@ def _decode(recipe, model, ids, device, dtype, gen, extra) -> LoadedModel:
         prompt = torch.randint(0, vocab, (w.batch, w.cache_len), generator=gen).to(device)
         with torch.no_grad():
             model(input_ids=prompt, use_cache=True, cache_position=torch.arange(w.cache_len, device=device),
-                  **{_cache_kwarg(model): cache})
+                  **{cache_kwarg_of(model.forward): cache})
     positions = torch.arange(w.cache_len, w.cache_len + w.seq_len, device=device)
-    inputs = {"input_ids": ids, _cache_kwarg(model): cache, "use_cache": True, "cache_position": positions}
+    inputs = {"input_ids": ids, cache_kwarg_of(model.forward): cache, "use_cache": True, "cache_position": positions}
     extra["cache"] = cache
     state = snapshot(cache)
     return LoadedModel(recipe, model, inputs, device, dtype, after_step=lambda: restore(cache, state), extra=extra)
-
-
-def _cache_kwarg(model: torch.nn.Module) -> str:
-    """transformers 5.2x renamed `past_key_values` to `cache` (the old name warns until 5.40)."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def _holders(cache: Any) -> list[Any]:

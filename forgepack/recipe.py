@@ -15,6 +15,7 @@ from typing import Any
 
 import tomllib
 
+from forgepack import tomlwriter
 from forgepack.errors import UsageError
 
 BUILTIN_DIR = Path(__file__).parent / "recipes"
@@ -221,9 +222,7 @@ def load(path: str | Path) -> Recipe:
 
 
 def dumps(recipe: Recipe) -> str:
-    import tomli_w  # lazy: only writing needs it, and the GPU machine may not have it
-
-    return tomli_w.dumps(to_dict(recipe))
+    return tomlwriter.dumps(to_dict(recipe))
 
 
 def save(recipe: Recipe, path: str | Path) -> None:

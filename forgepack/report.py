@@ -46,7 +46,7 @@ from forgepack.cards import Card
 from forgepack.errors import ForgepackError
 from forgepack.profile import ModelProfile
 from forgepack.recipe import Recipe
-from forgepack.search.store import CallRecord, CandidateRecord
+from forgepack.search.store import CallRecord, CandidateRecord, read_snapshot
 from forgepack.workspace import Workspace
 
 TEMPLATE = Path(__file__).parent / "report_assets" / "report.html"
@@ -147,49 +147,8 @@ def _dataclass(cls: type, data: dict[str, Any]) -> Any:
 
 
 def read_store(path: Path) -> StoreData:
-    """The store's calls and candidates, read-only, in one read transaction (a snapshot of a running build).
-
-    WAL lets this read alongside the build's writer. A store on a read-only filesystem, whose shared
-    memory file cannot be created, is opened as immutable instead.
-    """
-    uri = Path(path).resolve().as_uri()
-    try:
-        db = sqlite3.connect(f"{uri}?mode=ro", uri=True, timeout=10.0, isolation_level=None)
-        db.execute("SELECT 1 FROM sqlite_master").fetchone()
-    except sqlite3.OperationalError:
-        db = sqlite3.connect(f"{uri}?immutable=1", uri=True, isolation_level=None)
-    db.row_factory = sqlite3.Row
-    try:
-        db.execute("BEGIN")
-        tables = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
-        calls = db.execute("SELECT * FROM calls ORDER BY id").fetchall() if "calls" in tables else []
-        cands = db.execute("SELECT * FROM candidates ORDER BY id").fetchall() if "candidates" in tables else []
-        db.execute("COMMIT")
-    finally:
-        db.close()
-    return StoreData(tuple(_call(r) for r in calls), tuple(_candidate(r) for r in cands))
-
-
-def _loads(text: str | None) -> Any:
-    try:
-        return None if text is None else json.loads(text)
-    except ValueError:
-        return None
-
-
-def _call(row: sqlite3.Row) -> CallRecord:
-    data = dict(row)
-    data["decision"] = _loads(data.get("decision"))
-    return _dataclass(CallRecord, data)
-
-
-def _candidate(row: sqlite3.Row) -> CandidateRecord:
-    data = dict(row)
-    data["params"] = _loads(data.get("params")) or {}
-    data["verdict"] = _loads(data.get("verdict"))
-    if data.get("accepted") is not None:
-        data["accepted"] = bool(data["accepted"])
-    return _dataclass(CandidateRecord, data)
+    """The store's calls and candidates, as one consistent snapshot (`store.read_snapshot`)."""
+    return StoreData(*read_snapshot(path))
 
 
 # --- per-card search results ------------------------------------------------------------------------------

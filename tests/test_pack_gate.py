@@ -11,10 +11,12 @@ import zipfile
 import torch
 from pack_kernels import KERNELS, SLOW_MUL, WRONG_SILU, add_unchecked, find_card, tiny_llama_workspace
 
-from forgepack.pack import build_pack, builder
+from forgepack.pack import builder
 from forgepack.pack import manifest as manifest_mod
+from forgepack.pack.builder import build_pack
 from forgepack.pack.gate import Timing, decide_pay, decide_use, eager_because, graph_breakers, greedy_agree
-from forgepack.pack.runtime import GraphVerdict, graphs
+from forgepack.runtime import replaycheck
+from forgepack.runtime.packinfo import GraphVerdict
 
 # --- the decisions, from measurements -------------------------------------------------------------------------
 
@@ -63,7 +65,7 @@ class _Switched(torch.nn.Module):
 def _replay_check(broken_stock: bool = False):
     def check(ids: set[str]) -> GraphVerdict:
         module = _Switched(ids | ({"tally"} if broken_stock else set()))
-        ok, reason = graphs.verify_replay(module, lambda step: (torch.randn(4),), backend="emulate")
+        ok, reason = replaycheck.verify_replay(module, lambda step: (torch.randn(4),), backend="emulate")
         return GraphVerdict(ok, reason)
     return check
 

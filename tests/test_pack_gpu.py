@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from pack_kernels import CUDA_KERNELS, tiny_llama_workspace
 
-from forgepack.pack import build_pack
+from forgepack.pack.builder import build_pack
 
 pytestmark = pytest.mark.gpu
 

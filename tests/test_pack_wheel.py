@@ -26,10 +26,11 @@ import tomllib
 from pack_kernels import tiny_llama_workspace
 
 from forgepack import recipe as recipe_mod
+from forgepack import tomlwriter
 from forgepack.accepted import load_all
-from forgepack.pack import build_pack
 from forgepack.pack import manifest as manifest_mod
-from forgepack.pack.runtime import GraphVerdict
+from forgepack.pack.builder import build_pack
+from forgepack.runtime.packinfo import GraphVerdict
 
 REPO = Path(__file__).resolve().parent.parent
 PACKAGE = "forgepack_pack_tiny_llama"
@@ -269,7 +270,7 @@ def _drop_files_entry_and_flip(alt: Path, reseal: bool) -> str:
     target = next((alt / PACKAGE / "kernels").glob("silu-*.so"))
     name = f"kernels/{target.name}"
     data["files"] = [f for f in data["files"] if f["path"] != name]
-    path.write_text(manifest_mod.seal(data) if reseal else manifest_mod.toml_dumps(data))
+    path.write_text(manifest_mod.seal(data) if reseal else tomlwriter.dumps(data))
     blob = bytearray(target.read_bytes())
     blob[len(blob) // 2] ^= 0x01
     target.write_bytes(bytes(blob))
@@ -349,7 +350,7 @@ def test_another_torch_version_warns_and_does_nothing(venv_python, tmp_path):
     path = alt / PACKAGE / "manifest.toml"
     data = tomllib.loads(path.read_text())
     data["build"]["torch"] = "2.9.0"
-    path.write_text(manifest_mod.toml_dumps(data))
+    path.write_text(tomlwriter.dumps(data))
     res = last_json(run(venv_python, TAMPERED, tmp_path, env={"PYTHONPATH": str(alt)}))
     assert res["ok"] is False and res["loaded"] is False and res["hits"] == 0
     assert len(res["warnings"]) == 1 and "built for torch 2.9.0" in res["warnings"][0]

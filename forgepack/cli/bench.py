@@ -80,7 +80,7 @@ def _graphed(ctx: BenchContext, col: Column, with_pack: bool) -> Callable[[], An
     import torch
 
     if with_pack:
-        verdict = ctx.pack.graph_verdict()
+        verdict = ctx.pack.manifest().graphs
         if verdict.enabled is False:  # activate(graphs=True) would run eagerly: no number for it
             raise Skip(f"the pack's manifest turns graph mode off: {verdict.reason or 'no reason given'}")
     if ctx.lm.device.type != "cuda":
@@ -89,7 +89,7 @@ def _graphed(ctx: BenchContext, col: Column, with_pack: bool) -> Callable[[], An
         _pack(ctx, col)  # the pack's kernels are switched on around each round, and inside the graph
         graphs = importlib.import_module(f"{ctx.pack.__name__}.graphs")
     else:
-        from forgepack.pack.runtime import graphs
+        from forgepack.runtime import graphs
     lm = ctx.lm
     graphed = graphs.GraphedForward(graphs.eager_forward(lm.model))
     col.note = "CUDA graph replay" + (" with the pack's kernels" if with_pack else " of stock kernels")

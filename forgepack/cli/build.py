@@ -21,7 +21,7 @@ from forgepack.pack import builder as pack_builder
 from forgepack.recipe import Recipe
 from forgepack.search import allocator, run
 from forgepack.search.allocator import Decision, PlanRow
-from forgepack.search.executor import LocalExecutor
+from forgepack.search.executor import build_each, check_executor, make_executor
 from forgepack.search.proposers import make
 from forgepack.search.store import CallRecord, CandidateRecord
 from forgepack.workspace import Workspace
@@ -32,9 +32,10 @@ def register(app: typer.Typer) -> None:
 
 
 def build_command(
-    spec: Annotated[
-        str | None,
-        typer.Argument(metavar="[MODEL]", help="recipe .toml, built-in recipe name, local model dir or hub id"),
+    specs: Annotated[
+        list[str] | None,
+        typer.Argument(metavar="[MODEL]...", help="recipe .toml, built-in recipe name, local model dir or hub id; "
+                       "several share the executor, each with its own workspace and pack"),
     ] = None,
     budget: Annotated[int | None, typer.Option(help="proposer calls to spend (total in the workspace)")] = None,
     proposer: Annotated[str | None, typer.Option(help="templates (offline, free) or anthropic (Claude)")] = None,
@@ -48,8 +49,16 @@ def build_command(
     strategy: Annotated[str, typer.Option(hidden=True, help="allocator or uniform (benchmarks)")] = "allocator",
     out_dir: Annotated[str, typer.Option("--out", help="where the pack wheel goes")] = "packs",
     as_json: Annotated[bool, typer.Option("--json", help="print the search result as JSON")] = False,
+    executor_kind: Annotated[str, typer.Option("--executor", help="local (this host) or ray (a Ray cluster)")] = \
+        "local",
+    ray_address: Annotated[str | None, typer.Option("--ray-address", help="Ray cluster (default: a local one)")] = None,
 ) -> None:
     """Search verified kernels for the operator calls that matter, within a budget, and keep the best."""
+    check_executor(executor_kind, ray_address)
+    if specs and len(specs) > 1:
+        options = {k: v for k, v in locals().items() if k != "specs"}
+        return build_each(specs, lambda one: build_command([one], **options), workspace=workspace)
+    spec = specs[0] if specs else None
     if budget is not None and budget < 0:
         raise UsageError(f"--budget must be 0 or more, got {budget}")
     if strategy not in allocator.STRATEGIES:
@@ -68,7 +77,9 @@ def build_command(
     settings = run.Settings(budget=recipe.build.budget, target=settings_target, arch=arch, strategy=strategy,
                             max_cost=recipe.build.max_cost, margin=recipe.build.margin)
     reporter = RichReporter(cards, explain=explain, quiet=as_json)
-    with LocalExecutor(settings_target, arch=arch, margin=recipe.build.margin) as executor, reporter:
+    with make_executor(executor_kind, settings_target, arch=arch, margin=recipe.build.margin,
+                       address=ray_address) as executor, reporter:
+        reporter.note(executor.summary())
         search = run.Search(ws, cards, chosen, executor, settings, reporter=reporter)
         try:
             result = search.run()

@@ -4,7 +4,7 @@
    whose card the guarded dispatch can serve (functional aten ops; see `shimgen.check_supported`).
 2. Stage: a package directory (`<workspace>/pack/stage/forgepack_pack_<slug>/`) with the exact kernel
    objects that were verified and timed (copied, never recompiled), their sources, the generated shim
-   (compiled here with g++ against this torch), the runtime (`forgepack/pack/runtime/`), and
+   (compiled here with g++ against this torch), the runtime (`forgepack/runtime/`), and
    `manifest.toml` with every file's sha256.
 3. Gate (`forgepack.pack.gate`, in a subprocess): outputs agree with stock, every kernel is used and
    pays end to end, and so does the whole pack; what is dropped is restaged and checked again
@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from forgepack import __version__, models, tolerances
+from forgepack import __version__, models
 from forgepack import accepted as accepted_mod
 from forgepack import recipe as recipe_mod
 from forgepack.accepted import AcceptedKernel
@@ -51,11 +51,12 @@ from forgepack.pack.manifest import (
     PackVariant,
     Provenance,
 )
-from forgepack.pack.runtime import GraphVerdict
 from forgepack.recipe import Recipe
+from forgepack.runtime import tolerances
+from forgepack.runtime.packinfo import GraphVerdict
 from forgepack.workspace import Workspace
 
-RUNTIME_DIR = Path(__file__).parent / "runtime"
+RUNTIME_DIR = Path(__file__).parent.parent / "runtime"
 SHIM_LIBRARY = "shim/libforgepack_shim.so"
 REPORT = "pack_report.json"
 
@@ -146,6 +147,8 @@ def _select_reason(ws, k: AcceptedKernel, card: Card | None, target: str, arch: 
         return f"speed-up {k.speedup:.3f}x is below the margin ({1.0 + margin:.3f}x)"
     if not k.binary or not (ws.root / k.binary).is_file():
         return f"the verified object {k.binary or '(none)'} is missing"
+    if k.binary_sha256 and _sha256(ws.root / k.binary) != k.binary_sha256:
+        return f"{k.binary} is not the object that was verified and timed (its sha256 differs from {k.binary_sha256})"
     if card.kind == "fusion":
         return fusedgen.unsupported_reason(card, target)
     return shimgen.unsupported_reason(card, target, includes)

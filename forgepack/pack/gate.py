@@ -43,16 +43,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from forgepack import intervals
 from forgepack.errors import ForgepackError
 from forgepack.pack.manifest import GateSummary
-from forgepack.pack.runtime import GraphVerdict
-from forgepack.timing import bootstrap_ratio_ci
+from forgepack.runtime import tolerances
+from forgepack.runtime.packinfo import GraphVerdict
 
 GREEDY_TOKENS = 32
-# Model-level tolerance: max |pack - stock| over max |stock| of the output tensor. Per-op kernels are
-# accepted at a few ulp (forgepack.tolerances); through a few dozen layers that grows by about an
-# order of magnitude, and bf16 logits of a patched model typically differ by 1-2% (Liger: 1.8%).
-MODEL_RTOL = {"float64": 1e-6, "float32": 1e-3, "float16": 1e-2, "bfloat16": 5e-2}
 ROUNDS = 7
 REPS = 3
 MORE_ROUNDS = 3  # an interval that straddles 1 is measured again with this many times the rounds
@@ -60,7 +57,7 @@ TIMEOUT_S = 3600
 
 
 def model_rtol(lm) -> float:
-    return MODEL_RTOL.get(str(lm.dtype).removeprefix("torch."), 1e-3)
+    return tolerances.model_rtol(str(lm.dtype).removeprefix("torch."))
 
 
 @dataclass(frozen=True)
@@ -75,7 +72,7 @@ class Timing:
     def ratio(self, a: str, b: str) -> tuple[float, float, float]:
         """median(a) / median(b), the ratio of the medians reported with it, and its paired bootstrap 95%
         interval (both were measured in each round, so rounds are resampled whole)."""
-        low, high = bootstrap_ratio_ci(self.rounds[a], self.rounds[b], paired=True)
+        low, high = intervals.bootstrap_ratio_ci(self.rounds[a], self.rounds[b], paired=True)
         return self.median(a) / self.median(b), low, high
 
 
@@ -180,7 +177,7 @@ def compare_outputs(lm, pack, ids: set[str] | None, input_sets: list[dict]) -> t
     """Model outputs with the pack (only `ids` enabled) against stock; (ok, note, worst relative error)."""
     import torch
 
-    from forgepack.pack.runtime.graphs import scale_error
+    from forgepack.runtime.compare import scale_error
 
     rtol = model_rtol(lm)
     worst = 0.0
@@ -240,14 +237,14 @@ def check_correct(lm, pack, ids: set[str] | None, input_sets: list[dict], tokens
 def check_graphs(lm, pack, ids: set[str]) -> GraphVerdict:
     """Graph mode's verdict for the manifest: with the kept kernels active, the forward replayed from a
     CUDA graph must match eager on fresh inputs (a host sync or data-dependent control flow fails)."""
-    graphs = importlib.import_module(f"{pack.__name__}.graphs")
+    replaycheck = importlib.import_module(f"{pack.__name__}.replaycheck")
     pack.activate(strict=True)
     pack.enable_only(ids)
     try:
         # Held to the pack's own model tolerance: under capture transformers and the runtime take
         # other (equivalent) routes, whose bf16 roundings differ through 16 layers by a few ulps.
-        ok, reason = graphs.verify_replay(lm.model, lambda step: lm.make_inputs(seed=100 + step),
-                                          scale_rtol=model_rtol(lm))
+        ok, reason = replaycheck.verify_replay(lm.model, lambda step: lm.make_inputs(seed=100 + step),
+                                               scale_rtol=model_rtol(lm))
     except Exception as err:  # a verdict to record, not a failed build
         ok, reason = False, f"{type(err).__name__}: {(str(err).splitlines() or [''])[0]}"
     finally:
@@ -499,12 +496,12 @@ def run(recipe, stage_root: Path, package: str, mode: str = "full", rounds: int 
         timeout: float = TIMEOUT_S) -> GateOutcome:
     """Run the gate on the staged package in a fresh Python process; raises ForgepackError if it fails."""
     from forgepack import recipe as recipe_mod
-    from forgepack.pack.manifest import toml_dumps
+    from forgepack import tomlwriter
 
     out = Path(stage_root) / f"gate-{mode}.json"
     out.unlink(missing_ok=True)
-    recipe_path = Path(stage_root) / "gate-recipe.toml"  # exactly the recipe being built (tomli_w not needed)
-    recipe_path.write_text(toml_dumps(recipe_mod.to_dict(recipe)))
+    recipe_path = Path(stage_root) / "gate-recipe.toml"  # exactly the recipe being built
+    recipe_path.write_text(tomlwriter.dumps(recipe_mod.to_dict(recipe)))
     repo = Path(__file__).resolve().parent.parent.parent
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(repo), env.get("PYTHONPATH", "")) if p)

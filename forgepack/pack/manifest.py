@@ -5,27 +5,24 @@ reads it to check the torch and CUDA versions and the GPU arch, to verify every 
 loading anything, and to name the shim's counters; the self-test draws fresh inputs from each
 variant's recorded arguments. `forgepack inspect` prints it.
 
-The manifest is tamper-evident: `dumps` writes its digest into it (`runtime.manifest_digest`, over
-everything else in it), and the loader refuses a manifest whose content does not match it, as it
+The manifest is tamper-evident: `dumps` writes its digest into it (`runtime.packinfo.manifest_digest`,
+over everything else in it), and the loader refuses a manifest whose content does not match it, as it
 refuses any file of the pack the manifest does not list or whose sha256 differs.
 
-`loads(dumps(m)) == m` for every manifest. TOML is written here rather than with `tomli_w` because
-the GPU machines that build packs may not have it; the subset needed (tables, arrays of tables,
-inline tables, strings, numbers, booleans, arrays) is small.
+`loads(dumps(m)) == m` for every manifest (written by `forgepack.tomlwriter`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
 import tomllib
 
+from forgepack import tomlwriter
 from forgepack.cards import Arg, TensorMeta, ValueStats
-from forgepack.pack.runtime import DIGEST_KEY, GraphVerdict, manifest_digest
+from forgepack.runtime.packinfo import DIGEST_KEY, GraphVerdict, manifest_digest
 
 FORMAT = 1
 FILE = "manifest.toml"
@@ -33,7 +30,7 @@ FILE = "manifest.toml"
 
 @dataclass(frozen=True)
 class OutputTolerance:
-    """How close each output must be to stock (`forgepack.tolerances`); exact when both are 0."""
+    """How close each output must be to stock (`forgepack.runtime.tolerances`); exact when both are 0."""
 
     dtype: str
     rtol: float = 0.0
@@ -280,64 +277,8 @@ def seal(doc: dict[str, Any]) -> str:
     """TOML for a manifest document with its digest (re)computed, as the loader will check it: over
     the document as TOML gives it back."""
     body = {k: v for k, v in doc.items() if k != DIGEST_KEY}
-    return toml_dumps({**body, DIGEST_KEY: manifest_digest(tomllib.loads(toml_dumps(body)))})
+    return tomlwriter.dumps({**body, DIGEST_KEY: manifest_digest(tomllib.loads(tomlwriter.dumps(body)))})
 
 
 def loads(text: str) -> Manifest:
     return from_dict(tomllib.loads(text))
-
-
-# --- a small TOML writer ---------------------------------------------------------------------------
-
-
-def toml_dumps(doc: dict[str, Any]) -> str:
-    """TOML for plain data (None values must already be dropped). Tables nest as [a.b] and [[a.b]]
-    two levels deep; deeper dicts are written inline so each guard argument stays on one line."""
-    lines: list[str] = []
-    _table(lines, (), doc)
-    return "\n".join(lines).strip() + "\n"
-
-
-def _is_table_array(v: Any) -> bool:
-    return isinstance(v, list | tuple) and len(v) > 0 and all(isinstance(x, dict) for x in v)
-
-
-def _table(lines: list[str], path: tuple[str, ...], d: dict[str, Any]) -> None:
-    inline = len(path) >= 2
-    nested = {k: v for k, v in d.items() if not inline and (isinstance(v, dict) or _is_table_array(v))}
-    for k, v in d.items():
-        if k not in nested:
-            lines.append(f"{_key(k)} = {_value(v)}")
-    for k, v in nested.items():
-        sub = (*path, k)
-        if isinstance(v, dict):
-            lines += ["", f"[{'.'.join(map(_key, sub))}]"]
-            _table(lines, sub, v)
-        else:
-            for item in v:
-                lines += ["", f"[[{'.'.join(map(_key, sub))}]]"]
-                _table(lines, sub, item)
-
-
-def _key(k: str) -> str:
-    return k if k and all(c.isalnum() or c in "_-" for c in k) else json.dumps(k)
-
-
-def _value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, int):
-        return str(v)
-    if isinstance(v, float):
-        if math.isnan(v):
-            return "nan"
-        if math.isinf(v):
-            return "inf" if v > 0 else "-inf"
-        return repr(v)
-    if isinstance(v, str):
-        return json.dumps(v)  # a JSON string is a valid TOML basic string
-    if isinstance(v, list | tuple):
-        return "[" + ", ".join(_value(x) for x in v) + "]"
-    if isinstance(v, dict):
-        return "{" + ", ".join(f"{_key(k)} = {_value(x)}" for k, x in v.items()) + "}"
-    raise TypeError(f"cannot write {type(v).__name__} {v!r} to TOML")

@@ -26,16 +26,16 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import logging
 import os
 import threading
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from .packinfo import PackInfo
 
 HERE = Path(__file__).resolve().parent
 _LOG = logging.getLogger(__name__)
@@ -48,64 +48,30 @@ class PackError(RuntimeError):
     """Raised by `activate(strict=True)` when the pack cannot be used here; the message says why."""
 
 
-@dataclass(frozen=True)
-class GraphVerdict:
-    """Graph mode's verdict, as the build's gate found it and the manifest's `[graphs]` carries it:
-    whether the forward replays from CUDA graphs like eager with the pack's kernels. `enabled` None:
-    never judged (the gate skipped), so graph mode is allowed and unproven."""
-
-    enabled: bool | None = None
-    reason: str = ""
-
-    def to_json(self) -> dict[str, Any]:
-        return {} if self.enabled is None else {"enabled": self.enabled, "reason": self.reason}
-
-    @classmethod
-    def from_json(cls, d: dict[str, Any] | None) -> GraphVerdict:
-        d = d or {}
-        enabled = d.get("enabled")
-        return cls(None if enabled is None else bool(enabled), str(d.get("reason", "")))
-
-
 # --- the manifest ------------------------------------------------------------------------------------
 
 
-DIGEST_KEY = "digest"  # the manifest's own sha256, over everything else in it (`manifest_digest`)
-
-
-def manifest_digest(doc: dict[str, Any]) -> str:
-    """sha256 of a manifest's content without its digest key, as canonical JSON: the build writes it
-    into the manifest and the loader recomputes it, so an edited manifest is refused."""
-    body = {k: v for k, v in doc.items() if k != DIGEST_KEY}
-    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
-
-
-def manifest() -> dict[str, Any]:
-    """The pack's manifest.toml as plain data (read once)."""
+def manifest() -> PackInfo:
+    """The pack's manifest.toml as the runtime reads it (`packinfo.PackInfo`, read once)."""
     if _STATE["manifest"] is None:
         try:
             import tomllib
         except ModuleNotFoundError:  # Python 3.10
             import tomli as tomllib
-        _STATE["manifest"] = tomllib.loads((HERE / "manifest.toml").read_text())
+        _STATE["manifest"] = PackInfo.from_dict(tomllib.loads((HERE / "manifest.toml").read_text()))
     return _STATE["manifest"]
 
 
-def _readable_manifest() -> dict[str, Any]:
-    """The manifest, or an empty one when it cannot be read (for stats() after a refused activate)."""
+def _readable_manifest() -> PackInfo | None:
+    """The manifest, or None when it cannot be read (for stats() after a refused activate)."""
     try:
         return manifest()
     except Exception:  # a refused activate() already said why
-        return {}
-
-
-def graph_verdict() -> GraphVerdict:
-    """The build's graph mode verdict for this pack (the manifest's `[graphs]`)."""
-    return GraphVerdict.from_json(manifest().get("graphs"))
+        return None
 
 
 def _op_ids() -> list[str]:
-    return [v["id"] for v in manifest().get("variants", [])]
+    return [v.id for v in manifest().variants]
 
 
 def _fused():
@@ -142,18 +108,17 @@ def _arch_of(capability: tuple[int, int]) -> str:
 def environment_problem() -> tuple[str | None, list[int]]:
     """(why this pack cannot run in this process, or None; the CUDA devices whose arch is the pack's)."""
     m = manifest()
-    build, target = m["build"], m["target"]
-    if _major_minor(torch.__version__) != _major_minor(build["torch"]):
-        return f"built for torch {build['torch']}, this is torch {torch.__version__}", []
-    if bool(torch._C._GLIBCXX_USE_CXX11_ABI) != bool(build["cxx11_abi"]):
+    if _major_minor(torch.__version__) != _major_minor(m.torch):
+        return f"built for torch {m.torch}, this is torch {torch.__version__}", []
+    if bool(torch._C._GLIBCXX_USE_CXX11_ABI) != m.cxx11_abi:
         return "built for the other C++ ABI of torch (_GLIBCXX_USE_CXX11_ABI differs)", []
-    if target["device"] != "cuda":
+    if m.device != "cuda":
         return None, []
-    if _major_minor(torch.version.cuda) != _major_minor(build.get("cuda")):
-        return f"built for CUDA {build.get('cuda')}, this torch uses CUDA {torch.version.cuda}", []
+    if _major_minor(torch.version.cuda) != _major_minor(m.cuda):
+        return f"built for CUDA {m.cuda}, this torch uses CUDA {torch.version.cuda}", []
     if not torch.cuda.is_available():
         return "built for CUDA GPUs, and no CUDA GPU is visible", []
-    want = target.get("arch", "").removesuffix("a")
+    want = m.arch.removesuffix("a")
     devices = [i for i in range(torch.cuda.device_count()) if _arch_of(torch.cuda.get_device_capability(i)) == want]
     if not devices:
         have = sorted({_arch_of(torch.cuda.get_device_capability(i)) for i in range(torch.cuda.device_count())})
@@ -173,15 +138,15 @@ def file_problem() -> str | None:
     """What fails the pack's integrity check, named: the manifest's own digest, a file whose digest is
     not the manifest's, or a file the manifest does not list; None when everything checks out."""
     m = manifest()
-    if m.get(DIGEST_KEY) != manifest_digest(m):
+    if m.digest != m.content_digest:
         return "manifest.toml does not match its own digest (modified or corrupt): refusing to load"
-    listed = {entry["path"] for entry in m.get("files", [])}
-    for entry in m.get("files", []):
-        path = HERE / entry["path"]
+    listed = {entry.path for entry in m.files}
+    for entry in m.files:
+        path = HERE / entry.path
         if not path.is_file():
-            return f"{entry['path']} is missing from the pack"
-        if _sha256(path) != entry["sha256"]:
-            return f"{entry['path']} does not match its sha256 in the manifest (modified or corrupt): refusing to load"
+            return f"{entry.path} is missing from the pack"
+        if _sha256(path) != entry.sha256:
+            return f"{entry.path} does not match its sha256 in the manifest (modified or corrupt): refusing to load"
     for path in sorted(HERE.rglob("*")):
         rel = path.relative_to(HERE).as_posix()
         if path.is_file() and rel != "manifest.toml" and "__pycache__" not in path.parts and rel not in listed:
@@ -193,7 +158,7 @@ def file_problem() -> str | None:
 
 
 def _ops():
-    return getattr(torch.ops, manifest()["shim"]["namespace"])
+    return getattr(torch.ops, manifest().namespace)
 
 
 def _refuse(reason: str, strict: bool, depth: int = 4) -> bool:
@@ -227,6 +192,12 @@ def activate(strict: bool = False, graphs: bool = False, model: Any = None, **gr
     pack's kernels inside (`graphs.GraphedForward`; `graph_options` are its options): for `model` if
     given, else for every instance of the model class the pack was built for. Where the build found
     the forward unsafe to capture, the manifest says why and graph mode stays off (one warning).
+    For a causal LM `model`, `generate()` is served too (`serving.py`): forgepack's static cache per
+    batch bucket, padded batch and prompt buckets, one replay per decode step, and transformers'
+    automatic torch.compile turned off for that model. `serve=False` keeps graph mode to the forward
+    (the old behaviour); `graphs=False` gives generate() its own compile back. Bucket options
+    (`batch_buckets`, `prompt_buckets`, `cache_lengths`, `max_cache_len`) join `graph_options`;
+    `warmup(model, ...)` captures before the first request.
 
     Given `model`, it also checks that the model is laid out as the pack was built for: a pack built
     for a channels-last model on an NCHW one would be correct but useless (every guard misses), so
@@ -238,7 +209,7 @@ def activate(strict: bool = False, graphs: bool = False, model: Any = None, **gr
             return False
         try:
             ok = _STATE["active"] or _activate(strict)
-            problem = layout_problem(model, manifest().get("workload", {})) if ok and model is not None else None
+            problem = layout_problem(model, manifest().memory_format) if ok and model is not None else None
             if problem:
                 warnings.warn(f"{__name__}: {problem}", RuntimeWarning, stacklevel=3)
             if ok and graphs:
@@ -251,10 +222,11 @@ def activate(strict: bool = False, graphs: bool = False, model: Any = None, **gr
             return _refuse(f"could not activate ({type(err).__name__}: {first})", strict, depth=3)
 
 
-def layout_problem(model: Any, workload: dict[str, Any]) -> str | None:
+def layout_problem(model: Any, memory_format: str) -> str | None:
     """Why `model` will not hit this pack's kernels for its layout, or None: the pack was built for a
-    channels-last model and some 4-d weight (a convolution's) is not channels-last."""
-    if workload.get("memory_format") != "channels_last" or not hasattr(model, "parameters"):
+    channels-last model (`memory_format`, the manifest's) and some 4-d weight (a convolution's) is not
+    channels-last."""
+    if memory_format != "channels_last" or not hasattr(model, "parameters"):
         return None
     weights = [p for p in model.parameters() if p.dim() == 4]
     if all(p.is_contiguous(memory_format=torch.channels_last) for p in weights):
@@ -265,7 +237,7 @@ def layout_problem(model: Any, workload: dict[str, Any]) -> str | None:
 
 
 def _model_class() -> type | None:
-    name = manifest().get("model", {}).get("arch")
+    name = manifest().model_arch
     if not name:
         return None
     import transformers
@@ -276,7 +248,7 @@ def _model_class() -> type | None:
 def _enable_graphs(model: Any, options: dict[str, Any]) -> None:
     from . import graphs as graphs_mod
 
-    verdict = graph_verdict()
+    verdict = manifest().graphs
     if verdict.enabled is False:
         warnings.warn(f"{__name__}: graph mode is off for this model: {verdict.reason or 'no reason given'}",
                       RuntimeWarning, stacklevel=4)
@@ -289,7 +261,12 @@ def _enable_graphs(model: Any, options: dict[str, Any]) -> None:
     # A graph replays the kernels it was captured with: a new generation after every (de)activation
     # keys fresh graphs, so a stale one is never replayed.
     options.setdefault("context_key", lambda: _STATE["generation"])
-    graphs_mod.enable(target, **options)
+    from . import serving
+
+    if options.pop("serve", True) and model is not None and serving.servable(model):
+        serving.serve(model, **options)  # graph mode inside model.generate() (serving.py)
+    else:
+        graphs_mod.enable(target, **options)
     _STATE["graphs"] = True
 
 
@@ -304,7 +281,7 @@ def _activate(strict: bool) -> bool:
         _STATE["verified"] = True
     if _op_ids():
         if not _STATE["loaded"]:
-            torch.ops.load_library(str(HERE / manifest()["shim"]["library"]))
+            torch.ops.load_library(str(HERE / manifest().library))
             _STATE["loaded"] = True
         if list(_ops().variants()) != _op_ids():
             _STATE["mismatch"] = True  # its counters are not the manifest's variants': stats() reports none
@@ -324,12 +301,23 @@ def _activate(strict: bool) -> bool:
     return True
 
 
+def warmup(model: Any, batch_sizes=None, prompt_lengths=(16,), max_new_tokens=(64,), shapes=None,
+           **options: Any) -> dict:
+    """Capture `model.generate()`'s graphs for these buckets before the first request (see serving.py);
+    returns the server's `stats()`."""
+    from . import serving
+
+    return serving.warmup(model, batch_sizes, prompt_lengths, max_new_tokens, shapes, **options)
+
+
 def deactivate() -> None:
     """Remove the overrides: every op dispatches to the kernel it had before `activate()`."""
     with _LOCK:
         if _STATE["graphs"]:
             from . import graphs as graphs_mod
+            from . import serving
 
+            serving.stop_all()  # generate() is the model's own again
             graphs_mod.disable_all()  # before the kernels go: a graph would replay them
             _STATE["graphs"] = False
         _undo()
@@ -363,8 +351,9 @@ def active(strict: bool = False):
 def stats() -> dict[str, dict[str, Any]]:
     """Per variant: its op, `hits` (calls its kernel served), `misses` (calls of its op it did not
     serve), `errors` (calls its kernel refused, served by stock). Counters live as long as the process."""
-    variants = _readable_manifest().get("variants", [])
-    ops = list(dict.fromkeys(v["op"] for v in variants))
+    info = _readable_manifest()
+    variants = info.variants if info is not None else ()
+    ops = list(dict.fromkeys(v.op for v in variants))
     n = len(variants)
     # Before a load, or when the loaded shim is not the manifest's (refused), nothing has served a call.
     counted = _STATE["loaded"] and not _STATE["mismatch"]
@@ -373,7 +362,7 @@ def stats() -> dict[str, dict[str, Any]]:
     out = {}
     for k, v in enumerate(variants):
         hits, errors = raw[k], raw[n + k]
-        out[v["id"]] = {"op": v["op"], "hits": hits, "misses": calls[v["op"]] - hits, "errors": errors}
+        out[v.id] = {"op": v.op, "hits": hits, "misses": calls[v.op] - hits, "errors": errors}
     if _STATE["fused"]:  # only once read: a refused activate() may have refused an unreadable pack
         out.update(_STATE["fused"].stats())
     return out
