@@ -1,8 +1,8 @@
 """Percentile bootstrap intervals: the one place forgepack resamples measurements.
 
 `bootstrap_ratio_ci(a, b)`: the interval of median(a)/median(b) for two unpaired samples (a kernel
-against stock, `forgepack.timing.compare`). `bootstrap_median_ci(values)`: the interval of the median
-of paired values (the gate's per-round ratios, `forgepack.pack.gate.Timing.ratio`). Seeded: the same
+against stock, `forgepack.timing.compare`). With `paired=True`, a[i] and b[i] are resampled
+together (the gate's interleaved rounds, `forgepack.pack.gate.Timing.ratio`). Seeded: the same
 measurements give the same interval. Standard library only (the gate imports it without torch).
 """
 
@@ -12,22 +12,20 @@ import random
 import statistics
 
 
-def bootstrap_median_ci(values: list[float], n: int = 1000, alpha: float = 0.05, seed: int = 0
-                        ) -> tuple[float, float]:
-    """Percentile bootstrap interval of median(values)."""
-    rng = random.Random(seed)
-    medians = [statistics.median(rng.choices(values, k=len(values))) for _ in range(n)]
-    return _percentiles(medians, alpha)
-
-
-def bootstrap_ratio_ci(a: list[float], b: list[float], n: int = 1000, alpha: float = 0.05, seed: int = 0
-                       ) -> tuple[float, float]:
-    """Percentile bootstrap interval of median(a)/median(b), a and b resampled independently."""
+def bootstrap_ratio_ci(a: list[float], b: list[float], n: int = 1000, alpha: float = 0.05, seed: int = 0,
+                       paired: bool = False) -> tuple[float, float]:
+    """Percentile bootstrap interval of median(a)/median(b), a and b resampled independently. `paired`:
+    a[i] and b[i] were measured together (one round of the gate's interleaved model timings), so they
+    are resampled together and a slow round slows both sides."""
     rng = random.Random(seed)
     ratios = []
     for _ in range(n):
-        ra = statistics.median(rng.choices(a, k=len(a)))
-        rb = statistics.median(rng.choices(b, k=len(b)))
+        if paired:
+            rows = rng.choices(range(len(a)), k=len(a))
+            ra, rb = statistics.median(a[i] for i in rows), statistics.median(b[i] for i in rows)
+        else:
+            ra = statistics.median(rng.choices(a, k=len(a)))
+            rb = statistics.median(rng.choices(b, k=len(b)))
         ratios.append(ra / rb)
     return _percentiles(ratios, alpha)
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 FILE = "pack_report.json"
-GATE_STATUSES = ("passed", "skipped", "empty")  # "empty": nothing to ship
+GATE_STATUSES = ("passed", "skipped", "empty", "failed")  # "empty": nothing to ship; "failed": it would not pay
 
 
 @dataclass(frozen=True)
@@ -45,16 +45,17 @@ class PackReport:
     summary: dict[str, Any] = field(default_factory=dict)  # the gate's summary (stock_ms, pack_ms, ...)
     kept: tuple[Decision, ...] = ()
     dropped: tuple[Decision, ...] = ()
+    refused: str = ""  # why no wheel was written although kernels were kept (the pack would not pay)
 
     @classmethod
     def of(cls, recipe: str, wheel: str | None, gate: str, margin: float, summary: dict[str, Any],
-           decisions: tuple[Decision, ...] | list[Decision]) -> PackReport:
+           decisions: tuple[Decision, ...] | list[Decision], refused: str = "") -> PackReport:
         return cls(recipe, wheel, gate, margin, dict(summary), tuple(d for d in decisions if d.kept),
-                   tuple(d for d in decisions if not d.kept))
+                   tuple(d for d in decisions if not d.kept), refused)
 
     def to_json(self) -> dict[str, Any]:
-        return {"recipe": self.recipe, "wheel": self.wheel, "gate": self.gate, "margin": self.margin,
-                "summary": self.summary, "kept": [d.to_json() for d in self.kept],
+        return {"recipe": self.recipe, "wheel": self.wheel, "gate": self.gate, "refused": self.refused,
+                "margin": self.margin, "summary": self.summary, "kept": [d.to_json() for d in self.kept],
                 "dropped": [d.to_json() for d in self.dropped]}
 
     @classmethod
@@ -69,7 +70,7 @@ class PackReport:
             raise TypeError("the summary is not a JSON object")
         return cls(str(d["recipe"]), None if d.get("wheel") is None else str(d["wheel"]), d["gate"],
                    float(d["margin"]), summary, tuple(Decision.from_json(x) for x in d.get("kept") or ()),
-                   tuple(Decision.from_json(x) for x in d.get("dropped") or ()))
+                   tuple(Decision.from_json(x) for x in d.get("dropped") or ()), str(d.get("refused") or ""))
 
 
 def _number(x: Any) -> float | None:

@@ -21,7 +21,8 @@ from forgepack.errors import UsageError
 BUILTIN_DIR = Path(__file__).parent / "recipes"
 DEFAULT_RECIPE = "tiny-llama"
 
-TASKS = ("causal-lm", "text-encoder", "image-classification")
+# "auto": the checkpoint's own task, from its config.json `architectures` (`models.resolve_task`)
+TASKS = ("auto", "causal-lm", "text-encoder", "image-classification", "sequence-classification")
 PHASES = ("prefill", "decode")
 DTYPES = ("float32", "float16", "bfloat16")
 MEMORY_FORMATS = ("contiguous", "channels_last")
@@ -50,7 +51,7 @@ class ModelSpec:
 
 @dataclass(frozen=True)
 class Workload:
-    task: str = "causal-lm"
+    task: str = "auto"
     phase: str = "prefill"
     batch: int = 1
     seq_len: int = 32
@@ -179,7 +180,7 @@ def _check(origin: str, r: Recipe) -> None:
             raise UsageError(f"{origin}: 'workload.{key}' must be at least 1, got {value}")
     if w.cache_len < 0:
         raise UsageError(f"{origin}: 'workload.cache_len' must be 0 or more, got {w.cache_len}")
-    if w.phase == "decode" and w.task != "causal-lm":
+    if w.phase == "decode" and w.task not in ("causal-lm", "auto"):  # auto: checked again once resolved
         raise UsageError(f"{origin}: 'workload.phase' = \"decode\" needs task \"causal-lm\", got {w.task!r}")
     if t.arch is not None and not re.fullmatch(r"sm_\d{2,3}a?", t.arch):
         raise UsageError(f"{origin}: 'target.arch' must look like \"sm_90\", got {t.arch!r}")

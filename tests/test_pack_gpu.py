@@ -135,4 +135,4 @@ def test_cuda_gate_runs_on_the_model(cuda_pack, tmp_path):
         if "does not pay" in d.reason:
             assert "under CUDA graph replay" in d.reason, d.reason
     if result.kept:
-        assert result.gate_summary["timed_under"] == "graphs", result.gate_summary
+        assert result.gate_summary.timed_under == "graphs", result.gate_summary

@@ -7,7 +7,8 @@ import torch
 
 from forgepack.capture import card_from_call
 from forgepack.pack import manifest as manifest_mod
-from forgepack.pack.manifest import Manifest, OutputTolerance, PackFile, PackVariant, Provenance
+from forgepack.pack.manifest import GateSummary, Manifest, OutputTolerance, PackFile, PackVariant, Provenance
+from forgepack.runtime.packinfo import GraphVerdict
 
 
 def _variant(func, *args, **kwargs) -> PackVariant:
@@ -39,7 +40,9 @@ def _manifest() -> Manifest:
         workload={"task": "causal-lm", "batch": 1, "seq_len": 32, "dtype": "bfloat16"}, gate="passed",
         variants=variants, files=(PackFile("kernels/a.so", "ab" * 32, 1234), PackFile("__init__.py", "cd" * 32, 9)),
         provenance=Provenance("0.1.0", "2026-11-30T10:00:00+00:00", "deadbeef", ("manual", "templates:x"), "H200"),
-        gate_summary={"stock_ms": 13.6, "pack_ms": 12.9, "speedup": 1.054, "ci": [1.01, 1.09]},
+        gate_summary=GateSummary(13.6, 12.9, 1.054, (1.01, 1.09), rounds=7, reps=3, timed_under="graphs", pays=True,
+                                 outputs="outputs within 1e-3", graphs_first=GraphVerdict(False, "host sync")),
+        graphs=GraphVerdict(True, "matched"),
     )
 
 

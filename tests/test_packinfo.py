@@ -24,7 +24,8 @@ def test_the_runtime_reads_what_the_builder_writes():
     assert (info.torch, info.cuda, info.cxx11_abi) == (m.torch, m.cuda, True)
     assert (info.namespace, info.library, info.recipe) == (m.namespace, m.shim, "demo")
     assert info.model_arch == "" and info.memory_format == ""
-    assert info.graphs == GraphVerdict(None, "")
+    assert info.graphs == m.graphs == GraphVerdict(True, "matched")
+    assert info.digest and info.digest == info.content_digest  # the manifest's digest is its content's
     assert [(f.path, f.sha256) for f in info.files] == [(f.path, f.sha256) for f in m.files]
     for got, want in zip(info.variants, m.variants, strict=True):
         assert (got.id, got.op, got.signature) == (want.id, want.op, want.signature)
@@ -39,12 +40,19 @@ def test_the_runtime_reads_what_the_builder_writes():
 
 
 def test_graph_mode_verdict_and_layout_are_read():
-    m = dataclasses.replace(_manifest(), graphs={"enabled": False, "reason": "a host sync"},
+    m = dataclasses.replace(_manifest(), graphs=GraphVerdict(False, "a host sync"),
                             model={"recipe": "r", "arch": "LlamaForCausalLM"},
                             workload={"memory_format": "channels_last"})
     info = _read(m)
     assert info.graphs == GraphVerdict(False, "a host sync")
     assert (info.model_arch, info.recipe, info.memory_format) == ("LlamaForCausalLM", "r", "channels_last")
+
+
+def test_an_edited_manifest_reads_with_a_digest_that_is_not_its_content_s():
+    data = tomllib.loads(manifest_mod.dumps(_manifest()))
+    data["variants"][0]["tolerance"] = [{"dtype": "float32", "rtol": 1.0, "atol": 1.0}]
+    info = PackInfo.from_dict(data)
+    assert info.digest != info.content_digest
 
 
 def test_values_are_frozen_and_unknown_keys_ignored():

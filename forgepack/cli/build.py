@@ -18,7 +18,7 @@ from rich.table import Table
 
 from forgepack import pipeline
 from forgepack.cli.common import console, out, progress, resolve, steps, workspace_for
-from forgepack.errors import UsageError
+from forgepack.errors import ForgepackError, UsageError
 from forgepack.recipe import DEFAULT_RECIPE, TASKS, BuildSettings, Recipe
 from forgepack.search import run
 from forgepack.search.allocator import Decision, PlanRow
@@ -97,8 +97,10 @@ def build_command(
         out.print_json(json.dumps(doc, default=str))
     elif packed.wheel:
         console.print(last_lines(packed.wheel, packed.manifest.name, packed.gate))
-    else:
+    elif not packed.refused:
         console.print(f"no pack written ({packed.gate}): no kernel was accepted and kept; see the tables above")
+    if packed.refused:  # the gate would not ship a pack that is slower or changes outputs: a failed build
+        raise ForgepackError(f"no pack written: {packed.refused}")
 
 
 def last_lines(wheel: Path, package: str, gate: str) -> str:

@@ -13,8 +13,9 @@ capability, non-tensor arguments, no autograd needed); anything else runs the st
 when the pack was activated, so its results are bit-identical to stock PyTorch.
 
 The pack never breaks its caller: on another torch version, CUDA version or GPU arch it warns and
-does nothing. It refuses to load a file whose sha256 differs from the manifest (a warning that names
-the file; `activate(strict=True)` raises instead). `FORGEPACK_DISABLE=1` turns `activate()` into a
+does nothing. It refuses to load a file whose sha256 differs from the manifest, a file the manifest
+does not list, and a manifest whose own digest is not its content's (a warning that names the file;
+`activate(strict=True)` raises instead). `FORGEPACK_DISABLE=1` turns `activate()` into a
 logged no-op. `python -m <package> selftest` re-verifies every kernel on this machine.
 
 This file is forgepack's pack runtime, copied into every pack; it imports only torch and the
@@ -40,7 +41,7 @@ HERE = Path(__file__).resolve().parent
 _LOG = logging.getLogger(__name__)
 _LOCK = threading.RLock()
 _STATE: dict[str, Any] = {"manifest": None, "verified": False, "loaded": False, "active": False,
-                          "graphs": False, "generation": 0, "fused": None}
+                          "graphs": False, "generation": 0, "fused": None, "mismatch": False}
 
 
 class PackError(RuntimeError):
@@ -59,6 +60,14 @@ def manifest() -> PackInfo:
             import tomli as tomllib
         _STATE["manifest"] = PackInfo.from_dict(tomllib.loads((HERE / "manifest.toml").read_text()))
     return _STATE["manifest"]
+
+
+def _readable_manifest() -> PackInfo | None:
+    """The manifest, or None when it cannot be read (for stats() after a refused activate)."""
+    try:
+        return manifest()
+    except Exception:  # a refused activate() already said why
+        return None
 
 
 def _op_ids() -> list[str]:
@@ -126,13 +135,22 @@ def _sha256(path: Path) -> str:
 
 
 def file_problem() -> str | None:
-    """The first file whose digest is not the manifest's, named; None when every file checks out."""
-    for entry in manifest().files:
+    """What fails the pack's integrity check, named: the manifest's own digest, a file whose digest is
+    not the manifest's, or a file the manifest does not list; None when everything checks out."""
+    m = manifest()
+    if m.digest != m.content_digest:
+        return "manifest.toml does not match its own digest (modified or corrupt): refusing to load"
+    listed = {entry.path for entry in m.files}
+    for entry in m.files:
         path = HERE / entry.path
         if not path.is_file():
             return f"{entry.path} is missing from the pack"
         if _sha256(path) != entry.sha256:
             return f"{entry.path} does not match its sha256 in the manifest (modified or corrupt): refusing to load"
+    for path in sorted(HERE.rglob("*")):
+        rel = path.relative_to(HERE).as_posix()
+        if path.is_file() and rel != "manifest.toml" and "__pycache__" not in path.parts and rel not in listed:
+            return f"{rel} is not listed in the manifest: refusing to load"
     return None
 
 
@@ -151,8 +169,16 @@ def _refuse(reason: str, strict: bool, depth: int = 4) -> bool:
     return False
 
 
-def _disabled() -> bool:
+def disabled() -> bool:
+    """FORGEPACK_DISABLE is set: activate() is a logged no-op."""
     return os.environ.get("FORGEPACK_DISABLE", "").strip().lower() not in ("", "0", "false", "no")
+
+
+def fused_kernels() -> list[dict[str, Any]]:
+    """The pack's fused kernels (module-level chains) as modules.json lists them: id, op, signature,
+    calls, sites."""
+    fused = _fused()
+    return list(fused.spec.get("variants", [])) if fused else []
 
 
 def activate(strict: bool = False, graphs: bool = False, model: Any = None, **graph_options: Any) -> bool:
@@ -178,7 +204,7 @@ def activate(strict: bool = False, graphs: bool = False, model: Any = None, **gr
     that gets a warning saying how to convert it.
     """
     with _LOCK:
-        if _disabled():
+        if disabled():
             _LOG.warning("%s: FORGEPACK_DISABLE is set; not activating (stock PyTorch runs)", __name__)
             return False
         try:
@@ -258,12 +284,17 @@ def _activate(strict: bool) -> bool:
             torch.ops.load_library(str(HERE / manifest().library))
             _STATE["loaded"] = True
         if list(_ops().variants()) != _op_ids():
+            _STATE["mismatch"] = True  # its counters are not the manifest's variants': stats() reports none
             return _refuse("the shim's variants are not the manifest's", strict)
         _ops().activate(str(HERE), devices)
     fused = _fused()
-    if fused:
-        for target, why in fused.activate(HERE, devices).items():
-            _LOG.info("%s: %s is not patched: %s", __name__, target, why)
+    skipped = fused.activate(HERE, devices) if fused else {}
+    if skipped:
+        # Serving the op kernels without some of the module patches would be a pack other than the one
+        # the gate passed (and another pack may hold those patches): all of it or none.
+        _undo()
+        off = "; ".join(f"{target}: {why}" for target, why in skipped.items())
+        return _refuse(f"not activated, its fused kernels could not patch {off}", strict)
     _STATE["active"] = True
     _STATE["generation"] += 1
     _LOG.info("%s: active, %d kernels", __name__, len(variant_ids()))
@@ -289,12 +320,16 @@ def deactivate() -> None:
             serving.stop_all()  # generate() is the model's own again
             graphs_mod.disable_all()  # before the kernels go: a graph would replay them
             _STATE["graphs"] = False
-        if _STATE["loaded"]:
-            _ops().deactivate()
-        if _fused():
-            _fused().deactivate()
+        _undo()
         _STATE["active"] = False
         _STATE["generation"] += 1
+
+
+def _undo() -> None:
+    if _STATE["loaded"] and not _STATE["mismatch"]:
+        _ops().deactivate()
+    if _STATE["fused"]:
+        _STATE["fused"].deactivate()
 
 
 def is_active() -> bool:
@@ -316,17 +351,20 @@ def active(strict: bool = False):
 def stats() -> dict[str, dict[str, Any]]:
     """Per variant: its op, `hits` (calls its kernel served), `misses` (calls of its op it did not
     serve), `errors` (calls its kernel refused, served by stock). Counters live as long as the process."""
-    ids = _op_ids()
-    ops = list(dict.fromkeys(v.op for v in manifest().variants))
-    raw = list(_ops().stats()) if _STATE["loaded"] else [0] * (2 * len(ids) + len(ops))
-    n = len(ids)
+    info = _readable_manifest()
+    variants = info.variants if info is not None else ()
+    ops = list(dict.fromkeys(v.op for v in variants))
+    n = len(variants)
+    # Before a load, or when the loaded shim is not the manifest's (refused), nothing has served a call.
+    counted = _STATE["loaded"] and not _STATE["mismatch"]
+    raw = list(_ops().stats()) if counted else [0] * (2 * n + len(ops))
     calls = dict(zip(ops, raw[2 * n:], strict=True))
     out = {}
-    for k, v in enumerate(manifest().variants):
+    for k, v in enumerate(variants):
         hits, errors = raw[k], raw[n + k]
         out[v.id] = {"op": v.op, "hits": hits, "misses": calls[v.op] - hits, "errors": errors}
-    if _fused():
-        out.update(_fused().stats())
+    if _STATE["fused"]:  # only once read: a refused activate() may have refused an unreadable pack
+        out.update(_STATE["fused"].stats())
     return out
 
 

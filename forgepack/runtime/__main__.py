@@ -20,7 +20,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "selftest":
         return from_pack.selftest(pack, seeds=args.inputs)
     m = pack.manifest()
-    print(f"{m.name} {m.version}: {len(m.variants)} kernels for {m.recipe}")
+    ops, fused = len(m.variants), len(pack.fused_kernels())
+    kinds = f" ({ops} operator, {fused} fused)" if fused else ""
+    print(f"{m.name} {m.version}: {ops + fused} kernels{kinds} for {m.recipe}")
     print(f"built for torch {m.torch}, {m.device} {m.arch}".rstrip())
     problem, _ = pack.environment_problem()
     print(f"here: {problem or 'can run'}")

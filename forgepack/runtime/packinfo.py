@@ -10,8 +10,19 @@ runtime: the standard library only.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass, field
 from typing import Any
+
+DIGEST_KEY = "digest"  # the manifest's own sha256, over everything else in it (`manifest_digest`)
+
+
+def manifest_digest(doc: dict[str, Any]) -> str:
+    """sha256 of a manifest's content without its digest key, as canonical JSON: the build writes it
+    into the manifest and the loader recomputes it, so an edited manifest is refused."""
+    body = {k: v for k, v in doc.items() if k != DIGEST_KEY}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -77,14 +88,22 @@ class VariantInfo:
 
 @dataclass(frozen=True)
 class GraphVerdict:
-    """Graph mode's verdict from the build: None when the build did not judge it (graph mode may run)."""
+    """Graph mode's verdict, as the build's gate found it and the manifest's `[graphs]` carries it:
+    whether the forward replays from CUDA graphs like eager with the pack's kernels. `enabled` None:
+    never judged (the gate skipped), so graph mode is allowed and unproven. The gate, builder, manifest
+    writer and bench use this one value."""
 
     enabled: bool | None = None
     reason: str = ""
 
+    def to_json(self) -> dict[str, Any]:
+        return {} if self.enabled is None else {"enabled": self.enabled, "reason": self.reason}
+
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> GraphVerdict:
-        return cls(d.get("enabled"), d.get("reason", ""))
+    def from_json(cls, d: dict[str, Any] | None) -> GraphVerdict:
+        d = d or {}
+        enabled = d.get("enabled")
+        return cls(None if enabled is None else bool(enabled), str(d.get("reason", "")))
 
 
 @dataclass(frozen=True)
@@ -110,6 +129,8 @@ class PackInfo:
     graphs: GraphVerdict
     variants: tuple[VariantInfo, ...]
     files: tuple[PackedFile, ...]
+    digest: str = ""  # the digest the manifest states (DIGEST_KEY)
+    content_digest: str = ""  # the digest of what was read (`manifest_digest`): differs when edited
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> PackInfo:
@@ -121,7 +142,8 @@ class PackInfo:
             namespace=shim.get("namespace", ""), library=shim.get("library", ""),
             model_arch=model.get("arch", ""), recipe=model.get("recipe", "?"),
             memory_format=workload.get("memory_format", ""),
-            graphs=GraphVerdict.from_dict(d.get("graphs", {})),
+            graphs=GraphVerdict.from_json(d.get("graphs")),
             variants=tuple(VariantInfo.from_dict(v) for v in d.get("variants", ())),
             files=tuple(PackedFile(f["path"], f["sha256"]) for f in d.get("files", ())),
+            digest=str(d.get(DIGEST_KEY, "")), content_digest=manifest_digest(d),
         )
