@@ -206,7 +206,9 @@ def adversarial_inputs(card: Card, seed: int, device: str | torch.device) -> lis
 
 def near_duplicate(metas: list[TensorMeta | None], tensors: list, seed: int) -> list:
     """Copies of `tensors` (in the metas' layouts) with a few random elements of each float input
-    changed (one in a thousand, at least one): a kernel keying a cache on a sample of elements fails."""
+    changed (one in a thousand, at least four): a kernel keying a cache on a sample of elements fails.
+    A changed element flips its sign and grows, so that it changes the output of sign-dependent ops too
+    (a ReLU's negative input made more negative would give the same output)."""
     gen = torch.Generator().manual_seed(seed)
     out = []
     for m, t in zip(metas, tensors, strict=True):
@@ -216,10 +218,11 @@ def near_duplicate(metas: list[TensorMeta | None], tensors: list, seed: int) -> 
         values = window(t).cpu()
         if m.dtype in FLOAT_DTYPES and m.numel:
             positions = torch.as_strided(torch.arange(m.span()), m.shape, m.stride, 0).reshape(-1)
-            idx = positions[torch.randint(0, positions.numel(), (max(1, m.numel // 1000),), generator=gen)]
+            idx = positions[torch.randint(0, positions.numel(), (max(4, m.numel // 1000),), generator=gen)]
             bump = (torch.randn(idx.numel(), generator=gen, dtype=torch.float64) + 1.0).abs() + 0.25
             changed = values[idx].to(torch.float64)
-            changed = torch.where(torch.isfinite(changed), changed + bump * changed.abs().clamp_min(1.0), bump)
+            flipped = -changed - torch.where(changed < 0, -bump, bump) * changed.abs().clamp_min(1.0)
+            changed = torch.where(torch.isfinite(changed), flipped, bump)
             values[idx] = changed.to(values.dtype)
         out.append(materialize(m, values, t.device))
     return out

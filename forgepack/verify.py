@@ -388,10 +388,26 @@ def is_statistic(op: str, output: int) -> bool:
     return output in STATISTICS_OUTPUTS.get(op, ())
 
 
-def compare(out: torch.Tensor, ref: torch.Tensor, dtype: str, stats: bool = False) -> dict | None:
+def _input_scale(s: InputSet) -> float:
+    """The largest finite |value| among a set's float inputs (0 without any)."""
+    scale = 0.0
+    for g in s.inputs:
+        if g is not None and g.view.is_floating_point() and g.view.numel():
+            v = g.view.detach().abs().to(torch.float64)
+            v = v[torch.isfinite(v)]
+            if v.numel():
+                scale = max(scale, float(v.max()))
+    return scale
+
+
+def compare(out: torch.Tensor, ref: torch.Tensor, dtype: str, stats: bool = False,
+            input_scale: float = 0.0) -> dict | None:
     """None when `out` matches `ref` under the dtype's tolerance; else diagnostics. `stats`: a
     normalisation statistic, where NaN and +-inf are interchangeable (both non-finite) but finite
-    values must still match and non-finite must stay non-finite."""
+    values must still match and non-finite must stay non-finite. `input_scale`: the largest finite
+    |value| of the float inputs: the absolute term scales with the larger of it and the output's own
+    magnitude, since a result that cancels (a mean near zero of values near one) carries the rounding
+    of its inputs' scale, while a result computed at a lower precision than its inputs' still fails."""
     if out.shape != ref.shape:
         return {"problem": "shape", "expected": list(ref.shape), "got": list(out.shape)}
     if out.numel() == 0:
@@ -404,7 +420,7 @@ def compare(out: torch.Tensor, ref: torch.Tensor, dtype: str, stats: bool = Fals
     else:
         o, r = out.to(torch.float64), ref.to(torch.float64)
         finite = r[torch.isfinite(r)].abs()
-        atol = tolerances.scaled_atol(tol, float(finite.max()) if finite.numel() else 0.0)
+        atol = tolerances.scaled_atol(tol, max(float(finite.max()) if finite.numel() else 0.0, input_scale))
         close = (o - r).abs() <= atol + tol.rtol * r.abs()
         same_class = ~torch.isfinite(o) & ~torch.isfinite(r) if stats else torch.isnan(o) & torch.isnan(r)
         ok = (o == r) | same_class | (torch.isfinite(o) & torch.isfinite(r) & close)
@@ -621,7 +637,7 @@ class Harness:
                 return fail("mismatch", f"left {count} of {o.meta.numel} elements of output {j} unwritten on the "
                                         f"{where}", output=j, unwritten=count, of=o.meta.numel,
                             first_index=_index(flat, o.meta.shape), input_set=s.label)
-            diag = compare(view, s.reference[j], o.meta.dtype, is_statistic(self.card.op, j))
+            diag = compare(view, s.reference[j], o.meta.dtype, is_statistic(self.card.op, j), _input_scale(s))
             if diag is not None:
                 return fail("mismatch", _mismatch_reason(j, diag, where), output=j, input_set=s.label, **diag)
             self.max_err[j] = max(self.max_err.get(j, 0.0), _max_error(view, s.reference[j], o.meta.dtype))
@@ -780,8 +796,10 @@ def verify(card: Card, fn, samples_path: Path | None, device: torch.device | str
                 return bad
             sets.append(s)
             stale = s.reference  # every set of a card has the same output layouts
-            if k == len(regular) - 2:  # the last fresh input gets its near-duplicate twin
-                twin = h.prepare(*h.near_duplicate(s, seed + 7919))
+            # the last two fresh inputs get near-duplicate twins: a kernel keying a cache on a sample of
+            # elements escapes one twin only when a changed element lies in its sample (a few in a hundred)
+            if k in (len(regular) - 3, len(regular) - 2):
+                twin = h.prepare(*h.near_duplicate(s, seed + 7919 + k))
                 twin.twin_of = s.label
                 bad = h.eager_runs(twin, stale, 1)
                 if bad:

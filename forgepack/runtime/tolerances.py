@@ -5,11 +5,12 @@ them): kernel against stock (`TOLERANCES`), the model with the pack against stoc
 The kernel table: how close a kernel's output must be to stock PyTorch's.
 
 An element passes when ``|out - ref| <= atol * m + rtol * |ref|`` (both finite), or both are NaN, or
-both are the same infinity, where ``m = max |ref|`` over the output's finite elements (`scaled_atol`):
-the absolute term is relative to the output's magnitude (a normwise bound), so that an output near
-4e-4 cannot carry the 0.37% error of an fp32 mean computed through bf16 (a fixed 1e-5 allowed it), and
-an element that is the small difference of large terms (a norm's ``xhat * w + b`` with large weights)
-is judged against the scale of its output, not its own. Integer and bool outputs must match exactly.
+both are the same infinity, where ``m`` is the largest finite |value| of the output and of the float
+inputs (`scaled_atol`): the absolute term is relative to the computation's magnitude (a normwise bound),
+so that an output near 4e-4 computed from inputs near 4e-4 cannot carry the 0.37% error of an fp32 mean
+computed through bf16 (a fixed 1e-5 allowed it), while a result that cancels (a mean near zero of
+values near one, a norm's ``xhat * w + b`` with large weights) is judged against the scale of what it
+was computed from, not its own. Integer and bool outputs must match exactly.
 
 The float tolerances are a few units in the last place of each dtype, so a kernel may reorder a
 reduction or use fused multiply-adds, but an fp32 op computed through bf16, fp16 or TF32 fails

@@ -20,6 +20,7 @@ Arithmetic follows aten: inputs are cast to the common dtype (the output's), com
 
 from __future__ import annotations
 
+import functools
 import math
 import struct
 from dataclasses import dataclass
@@ -431,6 +432,16 @@ def round_to(x: float, dtype: str) -> float:
     return struct.unpack("<f", struct.pack("<I", u & 0xFFFFFFFF))[0]
 
 
+@functools.cache
+def _aten_cpu_gelu_inf_is_nan() -> bool:
+    """Whether this torch's vectorised CPU gelu gives NaN at +inf (it differs between builds: torch 2.13's
+    gives inf), asked of aten itself on a contiguous run long enough for its vector path."""
+    import torch
+
+    y = torch.nn.functional.gelu(torch.full((64,), float("inf")))
+    return bool(torch.isnan(y[:32]).any())
+
+
 class UnaryTemplate(PointwiseTemplate):
     def plan(self, card: Card, target: str):
         x, out = card.tensor_inputs()[0], card.outputs[0]
@@ -441,9 +452,9 @@ class UnaryTemplate(PointwiseTemplate):
             if mode not in ("none", "tanh"):
                 return f"unknown gelu approximation {mode!r}"
             expr = _GELU_TANH if mode == "tanh" else _GELU_ERF
-            if mode == "none" and target == "cpu" and x.dtype != "float16":
-                # aten's vectorised CPU erf gives NaN at +inf (its scalar path gives inf): match the
-                # vectorised path, and refuse layouts where aten may take the scalar one.
+            if mode == "none" and target == "cpu" and x.dtype != "float16" and _aten_cpu_gelu_inf_is_nan():
+                # some torch builds' vectorised CPU erf gives NaN at +inf (their scalar path gives inf):
+                # match the vectorised path, and refuse layouts where aten may take the scalar one.
                 if not (x.is_contiguous() and out.is_contiguous() and x.stride == out.stride and x.numel >= 16):
                     return "aten's CPU gelu is position-dependent at +inf for this layout"
                 expr = f"(a0 == FP_INF ? (0.0f / 0.0f) : {expr})"
