@@ -738,7 +738,7 @@ def section_pack(data: ReportData, figure: type | None) -> Html:
         parts.append(tag("div", fact("gate", pack.gate), fact("kernels kept / dropped", counts),
                          fact("acceptance margin", f"{pack.margin:.0%}"), cls="facts"))
         parts.append(tag("p", "wheel: ", tag("code", Path(pack.wheel).name) if pack.wheel
-                         else "none (nothing to ship)"))
+                         else f"none: {pack.refused}" if pack.refused else "none (nothing to ship)"))
         if s.get("stock_ms") is not None:
             ci = s.get("ci") or [None, None]
             ci_text = f"{ci[0]:.3f}-{ci[1]:.3f}" if None not in ci else "-"

@@ -404,8 +404,12 @@ def test_report_of_a_real_tiny_llama_build_in_headless_chromium(tmp_path):
         pytest.skip("no Chromium installed (apt-get install chromium)")
     ws = tmp_path / "ws"
     built = _cli("build", "tiny-llama", "--budget", "4", "--target", "cpu", "--workspace", str(ws), cwd=tmp_path)
-    assert built.returncode == 0, built.stderr[-3000:]
+    # a build whose pack does not pay end to end writes no wheel and fails, saying why (issue 18); the
+    # workspace still has everything the report shows
+    refused = built.returncode == 2 and "no pack written" in built.stderr
+    assert built.returncode == 0 or refused, built.stderr[-3000:]
     wheels = sorted((tmp_path / "packs").glob("*.whl"))
+    assert bool(wheels) != refused, built.stderr[-3000:]
     if wheels:  # eager vs the pack, as `forgepack bench` measures it, saved where the report looks
         bench = _cli("bench", "tiny-llama", "--target", "cpu", "--pack", str(wheels[0]), "--columns", "eager,pack",
                      "--rounds", "3", "--reps", "2", "--json", cwd=tmp_path)
