@@ -21,6 +21,7 @@
 # columns interleaved in one process, so the ratios hold, but absolute ms move with the load.
 #
 # Stages: tests graphtests profile evaluate templates search dispatch packs fusion graphs probe kernels=a+b
+#   build=a+b serve=a+b (issue 21: a pack per recipe, then the serving benchmark with it)
 #   tests=a+b: the GPU tests of tests/test_a.py and tests/test_b.py only (per lane).
 #   search=a+b: the allocator-vs-uniform benchmark on these recipes only (per lane).
 #   packs: builds a pack per recipe and times eager / pack / graphs / pack+graphs / torch.compile /
@@ -98,6 +99,18 @@ run_stage() {
                  stage report 60 python3 -m forgepack report "$packs_dir/llama-1b-prefill" \
                    --out "$OUT/results/report-llama-1b-prefill.html"
                fi ;;
+    build=*)   # build=a+b: a pack per recipe (PACK_BUDGET calls), wheel and workspace under this lane's home
+               local r; for r in $(echo "${1#build=}" | tr + ' '); do
+                 stage "build-$r" "${BUILD_TIME:-240}" python3 -m forgepack build "$r" --target cuda \
+                   --budget "${PACK_BUDGET:-24}" --workspace "$FORGEPACK_HOME/ws/$r" --out "$packs_dir/$r"
+               done ;;
+    serve|serve=*) # serve=a+b: tools/bench_serve.py per recipe, with the pack build=a built when there is one
+               local m wheel ms=${1#serve}; ms=${ms#=}
+               for m in $(echo "${ms:-llama-1b-decode+qwen2-0.5b-prefill}" | tr + ' '); do
+                 wheel=$(ls "$packs_dir/$m"/*.whl 2>/dev/null | head -1)
+                 stage "serve-$m" "${SERVE_TIME:-420}" python3 tools/bench_serve.py --models "$m" \
+                   ${wheel:+--pack "$wheel"} ${SERVE_ARGS:-} --out "$OUT/results"
+               done ;;
     graphs)    stage graphs "${GRAPHS_TIME:-300}" python3 tools/bench_graphs.py ;;
     fusion)    stage fusion "${FUSION_TIME:-300}" python3 tools/bench_fusion.py --budget-s "${FUSION_BUDGET_S:-230}" ;;
     *) echo "unknown stage $1" | tee -a "$OUT_ROOT/summary.txt" ;;
