@@ -30,7 +30,9 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib
 import random
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -115,6 +117,12 @@ def load_pack(spec: str | None) -> Any:
     return load(spec)
 
 
+def serving_of(pack) -> Any:
+    """The serving module that serves `pack`'s model: the copy of the runtime inside the pack's wheel
+    (its registry of served models is its own), else forgepack's."""
+    return importlib.import_module(f"{pack.__name__}.serving") if pack else serving
+
+
 def columns_for(model, pack, args, trace, ids, device) -> list[Column]:
     cols = [Column("eager")]
     stash: dict[str, Any] = {}
@@ -143,7 +151,7 @@ def columns_for(model, pack, args, trace, ids, device) -> list[Column]:
             serving.serve(model, **backend)
 
     def graphs_prepare():  # the trace's buckets captured before the rounds, as a server would at start
-        serving.warmup(model, shapes=[(r["batch"], r["prompt"], r["new"]) for r in trace])
+        serving_of(pack).warmup(model, shapes=[(r["batch"], r["prompt"], r["new"]) for r in trace])
 
     cols.append(Column("pack+graphs" if pack else "graphs", enter=graphs_enter, leave=graphs_leave, first=graphs_first,
                        prepare=graphs_prepare))
@@ -249,8 +257,8 @@ def bench_model(name: str, args, pack) -> dict:
         ready = 0.0
         if col.first:
             ready, _ = timed(col.first, device)
-        if col.prepare is graphs_prepare_of(cols) and serving.server(model) is None:
-            col.info["note"] = "graph mode is off in the pack's manifest: not served"
+        if col.prepare is graphs_prepare_of(cols) and serving_of(pack).server(model) is None:
+            col.info["note"] = "generate() not served (the warnings above say why)"
             continue
         col.enter()
         first, _ = timed(lambda c=col: c.generate(model, ids_list[0], trace[0]["new"]), device)
@@ -278,10 +286,10 @@ def bench_model(name: str, args, pack) -> dict:
                 col.info["peak_gib"] = max(col.info.get("peak_gib", 0), torch.cuda.max_memory_allocated(device) / 2**30)
             col.leave()
         print(f"{name}: round {r + 1}/{args.rounds} done", flush=True)
-    served = serving.server(model)
+    served = serving_of(pack).server(model)
     if served is not None:
         next(c for c in cols if c.first is not None and "graphs" in c.name).info["serving"] = served.stats()
-    serving.stop_all()
+    serving_of(pack).stop_all()
     result = {"trace": trace, "columns": {}}
     eager_tps = None
     for col in cols:
@@ -291,8 +299,9 @@ def bench_model(name: str, args, pack) -> dict:
             continue
         tps = col.tokens / total
         eager_tps = eager_tps or tps
+        per_request = [round(statistics.median(col.times[i::len(trace)]), 4) for i in range(len(trace))]
         result["columns"][col.name] = {"tokens_per_s": round(tps, 1), "s_per_request": round(total / len(col.times), 4),
-                                       "vs_eager": round(tps / eager_tps, 3), **col.info}
+                                       "vs_eager": round(tps / eager_tps, 3), "request_s": per_request, **col.info}
     lm.model = model = None  # free the weights before the next model
     gc.collect()
     return result
