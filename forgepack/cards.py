@@ -147,6 +147,56 @@ class Profile:
 
 
 @dataclass(frozen=True)
+class Dim:
+    """One size that varies across a shape family's members, with the range it is served over."""
+
+    name: str  # "d0", "d1", ...
+    min: int
+    max: int
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A tensor's sizes and strides as functions of its family's dims.
+
+    `shape`: per axis a fixed size (int) or a dim name. `stride`: per axis `(c, dims)`, meaning
+    stride = c * product of those dims' values (contiguous, channels-last, transposed and sliced views
+    of a contiguous parent all have this form). Every dim a stride names is some tensor's axis size, so
+    a guard can bind each dim from the sizes it sees and then check every stride.
+    """
+
+    shape: tuple[int | str, ...]
+    stride: tuple[tuple[int, tuple[str, ...]], ...]
+
+
+@dataclass(frozen=True)
+class Family:
+    """Variants of one op that differ only in sizes (DESIGN.md "Serving envelope and shape families").
+
+    `inputs` follows `Card.tensor_inputs()` (None where that is None), `outputs` follows `Card.outputs`.
+    `points`: the dim values capture saw, each with its calls and (after profile) weight, the share of
+    the family's envelope time that point stands for.
+    """
+
+    dims: tuple[Dim, ...]
+    inputs: tuple[Layout | None, ...]
+    outputs: tuple[Layout, ...]
+    points: tuple[tuple[tuple[str, int], ...], ...] = ()  # each point: ((dim, value), ...)
+    point_calls: tuple[int, ...] = ()
+    point_weights: tuple[float, ...] = ()
+
+    def dim(self, name: str) -> Dim:
+        for d in self.dims:
+            if d.name == name:
+                return d
+        raise KeyError(name)
+
+    def key(self) -> tuple:
+        """What identifies the family (not its captured points)."""
+        return (self.dims, self.inputs, self.outputs)
+
+
+@dataclass(frozen=True)
 class Card:
     op: str  # overload, e.g. "aten::_softmax" + "." + "default" -> "aten._softmax.default"
     schema: str  # full schema string, e.g. "aten::_softmax(Tensor self, int dim, bool half_to_float) -> Tensor"
@@ -159,9 +209,12 @@ class Card:
     profile: Profile | None = None
     chain: tuple[dict, ...] = ()  # fusion cards: the aten calls the fusion replaces
     fusion: dict | None = None  # fusion cards: pattern, module class, config facts
+    family: Family | None = None  # a shape family: `args`/`outputs` are one member (`forgepack.families`)
 
     @property
     def id(self) -> str:
+        if self.family is not None:
+            return family_id(self.op, self.args, self.family)
         return variant_id(self.op, self.args)
 
     @property
@@ -239,6 +292,15 @@ def by_output(cards: Iterable[Card]) -> dict[tuple, list[Card]]:
     return index
 
 
+def family_id(op: str, args: tuple[Arg, ...], family: Family) -> str:
+    """Stable short id of a family: op overload, dtypes and non-tensor values, the family's layouts."""
+    fixed = tuple((a.name, a.kind, _freeze(a.value)) if a.kind in ("value", "none")
+                  else (a.name, a.kind, tuple(t.dtype for t in (a.tensors or (a.tensor,)))) for a in args)
+    digest = hashlib.sha256(repr((op, fixed, family.key())).encode()).hexdigest()[:10]
+    name = op.removeprefix("aten.").removesuffix(".default").replace(".", "_")
+    return f"{name}-F{digest}"
+
+
 def variant_id(op: str, args: tuple[Arg, ...]) -> str:
     """Stable short id of a variant: op overload + full signature."""
     digest = hashlib.sha256(repr((op, tuple(a.key() for a in args))).encode()).hexdigest()[:10]
@@ -292,10 +354,30 @@ def from_json(data: dict[str, Any]) -> Card:
         profile=profile,
         chain=tuple(data.get("chain", ())),
         fusion=data.get("fusion"),
+        family=_family(data.get("family")),
     )
     if "id" in data and data["id"] != card.id:
         raise ValueError(f"card id {data['id']} does not match its contents ({card.id}): edited by hand?")
     return card
+
+
+def _family(d: dict | None) -> Family | None:
+    if d is None:
+        return None
+
+    def layout(x: dict | None) -> Layout | None:
+        if x is None:
+            return None
+        return Layout(shape=tuple(x["shape"]), stride=tuple((c, tuple(ds)) for c, ds in x["stride"]))
+
+    return Family(
+        dims=tuple(Dim(**x) for x in d["dims"]),
+        inputs=tuple(layout(x) for x in d["inputs"]),
+        outputs=tuple(layout(x) for x in d["outputs"]),
+        points=tuple(tuple((n, v) for n, v in p) for p in d.get("points", ())),
+        point_calls=tuple(d.get("point_calls", ())),
+        point_weights=tuple(d.get("point_weights", ())),
+    )
 
 
 def save(card: Card, path: str | Path) -> None:
