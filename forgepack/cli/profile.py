@@ -22,14 +22,15 @@ def profile_command(
     ] = None,
     target: Annotated[str | None, typer.Option(help="cpu or cuda (overrides the recipe)")] = None,
     dtype: Annotated[str | None, typer.Option(help="float32, float16 or bfloat16")] = None,
-    batch: Annotated[int | None, typer.Option(help="batch size")] = None,
-    seq_len: Annotated[int | None, typer.Option("--seq-len", help="sequence length")] = None,
+    batch: Annotated[str | None, typer.Option(help="batch size, or a range such as 1-8")] = None,
+    seq_len: Annotated[str | None, typer.Option("--seq-len", help="sequence length, or a range: 16-2048")] = None,
+    phase: Annotated[str | None, typer.Option(help="prefill, decode or generate (prefill + decode steps)")] = None,
     workspace: Annotated[str | None, typer.Option(help="workspace directory (default .forgepack/<slug>)")] = None,
     top: Annotated[int, typer.Option(help="rows to show (0 = all)")] = 25,
     as_json: Annotated[bool, typer.Option("--json", help="print JSON for machines")] = False,
 ) -> None:
     """Capture every aten call the model makes, time each variant, and show where the time goes."""
-    recipe = resolve(model, target=target, dtype=dtype, batch=batch, seq_len=seq_len)
+    recipe = resolve(model, target=target, dtype=dtype, batch=batch, seq_len=seq_len, phase=phase)
     ws = workspace_for(recipe, workspace)
     with progress(f"profiling {recipe.name}", enabled=not as_json) as note:
         result, cards = profile_mod.run_profile(recipe, ws, note)
