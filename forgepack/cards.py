@@ -50,6 +50,7 @@ DTYPE_SIZES = {
     "bool": 1,
 }
 FLOAT_DTYPES = ("float32", "float16", "bfloat16", "float64")
+_SHORT_DTYPES = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "float64": "f64"}
 
 
 @dataclass(frozen=True)
@@ -99,8 +100,7 @@ class TensorMeta:
 
     def signature(self) -> str:
         """Short human form, e.g. bf16[1,512,2048] or f32[8,8]:(1,8)."""
-        short = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "float64": "f64"}.get(self.dtype, self.dtype)
-        text = f"{short}[{','.join(map(str, self.shape))}]"
+        text = f"{_SHORT_DTYPES.get(self.dtype, self.dtype)}[{','.join(map(str, self.shape))}]"
         if not self.is_contiguous():
             text += f":({','.join(map(str, self.stride))})"
         if self.storage_offset:
@@ -167,6 +167,19 @@ class Layout:
 
     shape: tuple[int | str, ...]
     stride: tuple[tuple[int, tuple[str, ...]], ...]
+
+    def signature(self, dtype: str) -> str:
+        """Short human form with dim names, e.g. f32[d0,64] or f32[64,d0]:(1,64) for a transposed view."""
+        text = f"{_SHORT_DTYPES.get(dtype, dtype)}[{','.join(map(str, self.shape))}]"
+        expected, stride = [], (1, ())
+        for n in reversed(self.shape):  # the contiguous rule, innermost first
+            expected.append(stride)
+            stride = (stride[0] * n, stride[1]) if isinstance(n, int) else (stride[0], (*stride[1], n))
+        contiguous = all(n == 1 or (c, set(ds)) == (e[0], set(e[1]))
+                         for n, (c, ds), e in zip(self.shape, self.stride, reversed(expected), strict=True))
+        if not contiguous:
+            text += ":(" + ",".join("*".join([str(c)] * (c != 1 or not ds) + list(ds)) for c, ds in self.stride) + ")"
+        return text
 
 
 @dataclass(frozen=True)
@@ -248,7 +261,10 @@ class Card:
         return out
 
     def signature(self) -> str:
-        """Short form for tables: tensor shapes and the non-tensor values that matter."""
+        """Short form for tables: tensor shapes and the non-tensor values that matter; a family's with dim
+        names and its ranges, e.g. `f32[d0,64], f32[64,128] | d0 in 1..256`."""
+        if self.family is not None:
+            return self._family_signature()
         parts = []
         for a in self.args:
             if a.kind == "tensor":
@@ -258,6 +274,21 @@ class Card:
             elif a.kind == "value" and a.value is not None:
                 parts.append(f"{a.name}={_short_value(a.value)}")
         return ", ".join(parts)
+
+    def _family_signature(self) -> str:
+        layouts = iter(self.family.inputs)
+        parts = []
+        for a in self.args:
+            if a.kind == "tensor":
+                parts.append(next(layouts).signature(a.tensor.dtype))
+            elif a.kind == "tensors":
+                parts.append("[" + ",".join(next(layouts).signature(t.dtype) for t in a.tensors) + "]")
+            elif a.kind == "none":
+                next(layouts)
+            elif a.value is not None:
+                parts.append(f"{a.name}={_short_value(a.value)}")
+        ranges = ", ".join(f"{d.name} in {d.min}..{d.max}" for d in self.family.dims)
+        return ", ".join(parts) + " | " + ranges
 
     def with_profile(self, profile: Profile) -> Card:
         return dataclasses.replace(self, profile=profile)

@@ -126,3 +126,39 @@ def test_merge_sums_calls_of_a_variant_seen_at_several_points():
     assert merged.total_calls == 2 * caps[0].total_calls + caps[1].total_calls
     assert all(len(s) <= 2 for s in merged.samples.values())
     assert dataclasses.replace(merged.cards[0]).calls == merged.cards[0].calls
+
+
+def test_family_signature_names_dims_and_ranges_and_inspect_shows_them(generate_capture):
+    import io
+
+    from rich.console import Console
+
+    from forgepack.cli import inspect as inspect_cmd
+    from forgepack.pack import manifest as manifest_mod
+
+    _, cap = generate_capture
+    sdpa = next(c for c in cap.cards if c.family and c.op.startswith("aten._scaled_dot_product")
+                and c.family.dims[1].min == 4)
+    sig = sdpa.signature()
+    assert sig.startswith("f32[d0,4,d1,8]:(32*d1,8,32,1), f32[d0,2,d1,8], f32[d0,2,d1,8]")
+    assert sig.endswith("| d0 in 1..3, d1 in 4..16")
+    plain = dataclasses.replace(sdpa, family=None).signature()
+    assert "d0" not in plain and plain.startswith("f32[")  # concrete cards: today's form
+    variant = manifest_mod.PackVariant(
+        id=sdpa.id, op=sdpa.op, schema=sdpa.schema, signature=sig, args=sdpa.args, outputs=sdpa.outputs,
+        kernel="k.so", source="k.cpp", tolerance=(), speedup=1.5, ci_low=1.4, ci_high=1.6, eager_us=2.0,
+        kernel_us=1.3, proposer="templates:x", calls=sdpa.calls)
+    m = manifest_mod.Manifest(
+        name="p", slug="p", version="0", target="cpu", arch=None, torch="2", cuda=None, cxx11_abi=True,
+        platform="linux", python="3.12", namespace="ns", shim="s.so", shim_source="s.cpp", model={},
+        workload=dataclasses.asdict(_recipe(phase="generate", batch={"min": 1, "max": 3},
+                                            seq_len={"min": 4, "max": 16}).workload),
+        gate="passed", variants=(variant,))
+    m = manifest_mod.loads(manifest_mod.dumps(m))
+    text = io.StringIO()
+    console = Console(file=text, width=300)
+    console.print(inspect_cmd.overview(m))
+    console.print(inspect_cmd.variants_table(m))
+    shown = text.getvalue()
+    assert "batch 1-3, seq 4-16" in shown and "generate" in shown
+    assert "d0 in 1..3, d1 in 4..16" in shown

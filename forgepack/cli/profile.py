@@ -52,7 +52,8 @@ def show(result: profile_mod.ModelProfile, cards, top: int) -> None:
     ranked = profile_mod.top_share(cards, top or len(cards))
     for c in ranked:
         p = c.profile
-        table.add_row(c.op_name, _short(c.signature()), str(c.calls), f"{p.eager_us:.1f}", f"{100 * p.share:.1f}",
+        sig = _short(c.signature(), 60 if c.family is None else 160)  # a family's ranges come last: keep them
+        table.add_row(c.op_name, sig, str(c.calls), f"{p.eager_us:.1f}", f"{100 * p.share:.1f}",
                       f"{p.roofline_us:.2f}", profile_mod.headroom_text(c), p.baseline)
     if len(cards) > len(ranked):
         rest = sum(c.profile.share for c in cards) - sum(c.profile.share for c in ranked)
