@@ -94,7 +94,7 @@ def test_generate_envelope_pack_serves_90_percent_of_its_family_ops_calls(tmp_pa
     site = tmp_path / "site"
     with zipfile.ZipFile(wheel) as z:
         z.extractall(site)
-    package = next(p.name for p in site.iterdir() if p.name.startswith("forgepack_pack_"))
+    package = next(p.name for p in site.iterdir() if p.name.startswith("forgepack_pack_") and "." not in p.name)
     code = (MAIN.replace("PACKAGE", package).replace("REPO", repr(str(REPO)))
             .replace("RECIPE_PATH", repr(str(path))).replace("POINTS", repr(SERVE)))
     run = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=1200,
