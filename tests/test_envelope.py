@@ -162,3 +162,16 @@ def test_family_signature_names_dims_and_ranges_and_inspect_shows_them(generate_
     shown = text.getvalue()
     assert "batch 1-3, seq 4-16" in shown and "generate" in shown
     assert "d0 in 1..3, d1 in 4..16" in shown
+
+
+def test_report_profile_table_shows_families_with_ranges_and_envelope_figures(generate_capture, tmp_path):
+    from forgepack import report
+
+    lm, cap = generate_capture
+    mm = max((c for c in cap.cards if c.family and c.op == "aten.mm.default"), key=lambda c: c.calls)
+    card = profile.measure_family(mm, cap.samples, lm.device, facts(lm.device))
+    data = report.ReportData(root=tmp_path, recipe=None, profile=None, cards=(card,), store=None, accepted=(),
+                             pack=None, bench=None)
+    html = str(report.section_profile(data, None))
+    assert families.describe(card) in html and card.id in html
+    assert f"{card.profile.eager_us:.1f}" in html or report._us(card.profile.eager_us) in html
