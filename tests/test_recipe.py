@@ -125,3 +125,16 @@ def test_cli_sizes_parse_as_one_size_or_a_range():
     assert (r.workload.batch, r.workload.seq_len, r.workload.phase) == (recipe.Range(1, 4), recipe.Range(8, 64),
                                                                         "generate")
     assert r.replace(workload={"batch": "2"}).workload.batch == 2
+
+
+def test_profile_command_refuses_a_bad_range_in_one_line(tmp_path):
+    import subprocess
+    import sys
+
+    for args, message in ((["--batch", "8-1"], "--batch range '8-1' has its max below its min"),
+                          (["--seq-len", "x"], "--seq-len must be a size like 8 or a range like 1-8"),
+                          (["--phase", "serve"], "'workload.phase' must be one of prefill, decode, generate")):
+        proc = subprocess.run([sys.executable, "-m", "forgepack", "profile", "tiny-llama", *args, "--workspace",
+                               str(tmp_path / "ws")], capture_output=True, text=True, timeout=120, check=False)
+        assert proc.returncode != 0 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+        assert not (tmp_path / "ws").exists()
