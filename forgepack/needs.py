@@ -45,10 +45,11 @@ class Needs:
 
 def default(card: Card) -> Needs:
     """Today's rule: every input at the offset modulo 16 bytes it was captured (and verified) at."""
-    return Needs(tuple(_legacy(m) for m in card.tensor_inputs()))
+    return Needs(tuple(legacy_align(m) for m in card.tensor_inputs()))
 
 
-def _legacy(m: TensorMeta | None) -> Align:
+def legacy_align(m: TensorMeta | None) -> Align:
+    """Today's need of one input: the offset modulo 16 bytes it was captured at (`Align()` for None)."""
     if m is None:
         return Align()
     return Align(LEGACY_ALIGN, (m.storage_offset * m.itemsize) % LEGACY_ALIGN)

@@ -287,7 +287,7 @@ def _list_guard(t, arg: Arg, p: str, spec: str, bind: str = "") -> _Guard:
 
 def _meta_constants(name: str, m: TensorMeta, need: Align | None = None) -> list[str]:
     """An exact tensor's spec; `need` None (an output) or the legacy need keeps today's text."""
-    legacy = needs_mod._legacy(m)
+    legacy = needs_mod.legacy_align(m)
     need = need or legacy
     align = f"{need.offset}" if need == legacy else f"{need.offset}, {need.bytes}"
     lines = []
