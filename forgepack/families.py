@@ -233,17 +233,20 @@ def check_points(card: Card, seed: int = 0, extra: int = 3) -> list[dict[str, in
 
 def bind(card: Card, metas: list[TensorMeta | None]) -> dict[str, int] | None:
     """The dim values these tensors (inputs in ABI order) give the family, or None where they are not a
-    member: a fixed size differs, a dim is out of range, equal dims differ, or a stride breaks its rule.
-    The Python twin of the guard the shim generates (tests hold the two to the same answers)."""
+    member: a dtype or device differs, a fixed size differs, a dim is out of range, equal dims differ, or
+    a stride breaks its rule. The Python twin of the guard the shim generates (tests hold the two to the
+    same answers; pointer alignment is the kernel's need, `forgepack.needs.pointers_ok`)."""
     family = card.family
     if family is None:
         return None
     values: dict[str, int] = {}
-    for layout, meta in zip(family.inputs, metas, strict=True):
+    for layout, meta, like in zip(family.inputs, metas, card.tensor_inputs(), strict=True):
         if (layout is None) != (meta is None):
             return None
         if layout is None:
             continue
+        if (meta.dtype, meta.device) != (like.dtype, like.device):
+            return None
         if len(layout.shape) != len(meta.shape):
             return None
         for want, got in zip(layout.shape, meta.shape, strict=True):

@@ -418,6 +418,8 @@ class Search:
 
     def accepted(self) -> list[AcceptedKernel]:
         """The best accepted candidate per card (highest speed-up; earliest on ties)."""
+        from forgepack.templates import needs_of  # lazy, as the templates proposer imports them
+
         out = []
         for card_id, tree in self.trees.items():
             best = tree.best()
@@ -441,6 +443,7 @@ class Search:
                     proposer=rec.proposer,
                     candidate_id=rec.id,
                     kind=card.kind,
+                    needs=needs_of(card, self.settings.target, rec.params) if card.kind == "op" else None,
                 )
             )
         return sorted(out, key=lambda k: -self.cards[k.card_id].profile.share)

@@ -19,7 +19,9 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
+from forgepack import needs as needs_mod
 from forgepack.cards import DTYPE_CODES, DTYPE_SIZES, Card, TensorMeta
+from forgepack.needs import Needs
 
 TARGETS = ("cuda", "cpu")
 FLOATS = ("float32", "float16", "bfloat16")  # dtypes the arithmetic templates compute on
@@ -472,6 +474,12 @@ class Template:
         plan = self._plan_or_raise(card, target)
         check_params(self.name, self.axes(plan, target), params)
         return self.emit(card, plan, target, dict(params))
+
+    def needs(self, card: Card, target: str, params: dict) -> Needs:
+        """What the kernel rendered at `params` needs of its inputs (pointer alignment, divisibility:
+        `forgepack.needs`), which the pack's guard checks. The default is today's rule, each input at
+        the offset modulo 16 bytes it was verified at; a size-generic template states what it uses."""
+        return needs_mod.default(card)
 
     # --- for subclasses ---
     def plan(self, card: Card, target: str) -> Any:
