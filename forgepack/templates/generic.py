@@ -64,11 +64,13 @@ def _desc_check(var: str, meta, layout: Layout | None) -> list[str]:
 
 HOST_HELPERS = r"""
 // --- size-generic geometry (host side): sizes and strides read from the descriptors ---
+#ifndef FP_GD
 #define FP_GD 8
+#endif
 struct fp_geom { int nd; int64_t numel; int64_t n[FP_GD]; int64_t s[FP_GV][FP_GD]; int64_t base[FP_GV]; };
 
 // Non-negative sizes and strides, and data present when there is something to read.
-static bool fp_desc_ok(const fp_tensor* t) {
+__attribute__((unused)) static inline bool fp_desc_ok(const fp_tensor* t) {
   int64_t numel = 1;
   for (int d = 0; d < t->ndim; ++d) {
     if (t->sizes[d] < 0 || t->strides[d] < 0) return false;
@@ -77,13 +79,13 @@ static bool fp_desc_ok(const fp_tensor* t) {
   return numel == 0 || t->data != NULL;
 }
 
-static int64_t fp_numel(const fp_tensor* t) {
+__attribute__((unused)) static inline int64_t fp_numel(const fp_tensor* t) {
   int64_t numel = 1;
   for (int d = 0; d < t->ndim; ++d) numel *= t->sizes[d];
   return numel;
 }
 
-static void fp_geom_init(fp_geom* g, const fp_tensor* shape_of) {
+__attribute__((unused)) static inline void fp_geom_init(fp_geom* g, const fp_tensor* shape_of) {
   g->nd = shape_of->ndim;
   for (int d = 0; d < g->nd; ++d) g->n[d] = shape_of->sizes[d];
   for (int v = 0; v < FP_GV; ++v) { g->base[v] = 0; for (int d = 0; d < FP_GD; ++d) g->s[v][d] = 0; }
@@ -91,7 +93,7 @@ static void fp_geom_init(fp_geom* g, const fp_tensor* shape_of) {
 
 // View `v` walks tensor `t` broadcast to the iteration sizes (stride 0 where `t` has size 1 or no
 // such dim); false if `t` does not broadcast (`exact`: its sizes must equal the iteration's).
-static bool fp_geom_view(fp_geom* g, int v, const fp_tensor* t, bool exact) {
+__attribute__((unused)) static inline bool fp_geom_view(fp_geom* g, int v, const fp_tensor* t, bool exact) {
   const int lead = g->nd - t->ndim;
   if (lead < 0 || (exact && lead != 0)) return false;
   for (int d = 0; d < g->nd; ++d) {
@@ -105,7 +107,7 @@ static bool fp_geom_view(fp_geom* g, int v, const fp_tensor* t, bool exact) {
 }
 
 // Drop size-1 dims, merge adjacent dims every view walks as one; numel.
-static void fp_geom_coalesce(fp_geom* g) {
+__attribute__((unused)) static inline void fp_geom_coalesce(fp_geom* g) {
   int m = 0;
   int64_t numel = 1;
   for (int d = 0; d < g->nd; ++d) {
@@ -129,7 +131,7 @@ static void fp_geom_coalesce(fp_geom* g) {
 }
 
 // Every offset the views reach fits 32-bit index math.
-static bool fp_geom_fits32(const fp_geom* g) {
+__attribute__((unused)) static inline bool fp_geom_fits32(const fp_geom* g) {
   if (g->numel >= (1LL << 31)) return false;
   for (int v = 0; v < FP_GV; ++v) {
     int64_t span = g->base[v];
@@ -140,7 +142,8 @@ static bool fp_geom_fits32(const fp_geom* g) {
 }
 
 // VEC consecutive inner elements are one aligned vector (or one broadcast value) in view v.
-static bool fp_geom_vec_ok(const fp_geom* g, int v, const void* data, int vec, int itemsize) {
+__attribute__((unused)) static inline bool fp_geom_vec_ok(const fp_geom* g, int v, const void* data, int vec,
+                                                          int itemsize) {
   const int64_t inner = g->s[v][g->nd - 1];
   if (inner == 0 && v > 0) return true;  // a broadcast input: one scalar load per vector
   if (inner != 1 || g->n[g->nd - 1] % vec || g->base[v] % vec) return false;
@@ -152,7 +155,7 @@ static bool fp_geom_vec_ok(const fp_geom* g, int v, const void* data, int vec, i
 
 
 def helpers(views: int) -> str:
-    return f"\n#define FP_GV {views}\n" + HOST_HELPERS
+    return f"\n#undef FP_GV\n#define FP_GV {views}\n" + HOST_HELPERS
 
 
 def natural_needs(card: Card) -> dict:
@@ -218,7 +221,7 @@ def _cuda_job(k: int, job) -> str:
                      f"    else {{ const {t} b_ = p.in{s}[o_[{i + 1}]];\n#pragma unroll\n"
                      f"      for (int j = 0; j < VEC; ++j) x{i}.v[j] = b_; }}")
         convs.append(f"const float a{i} = fp_ld(x{i}.v[j]);")
-    compute = "r_.v[j] = x0.v[j];" if job.expr is None else " ".join(convs) + f" r_.v[j] = fp_st<{out_t}>({job.expr});"
+    compute = "y_.v[j] = x0.v[j];" if job.expr is None else " ".join(convs) + f" y_.v[j] = fp_st<{out_t}>({job.expr});"
     return f"""
 template <typename I, int VEC>
 __global__ void __launch_bounds__(BLOCK) fp_gjob{k}(const fp_args p, const fp_geom g) {{
@@ -237,10 +240,10 @@ __global__ void __launch_bounds__(BLOCK) fp_gjob{k}(const fp_args p, const fp_ge
       }}
     }}
     {chr(10).join('    ' + x for x in loads).strip()}
-    fp_vec<{out_t}, VEC> r_;
+    fp_vec<{out_t}, VEC> y_;
 #pragma unroll
     for (int j = 0; j < VEC; ++j) {{ {compute} }}
-    *reinterpret_cast<fp_vec<{out_t}, VEC>*>(p.out{job.out_slot} + o_[0]) = r_;
+    *reinterpret_cast<fp_vec<{out_t}, VEC>*>(p.out{job.out_slot} + o_[0]) = y_;
   }}
 }}
 """
