@@ -96,7 +96,8 @@ def test_exact_shape_cards_keep_todays_renders_and_needs(fams):
 
 def test_templates_without_a_generic_kernel_refuse_family_cards(fams):
     mm = next(c for c in fams if c.op == "aten.mm.default")
-    reasons = [t.supports(on_device(mm, "cuda"), "cuda") for t in (by_name("gemm.mv_rows"),)]
+    names = ("gemm.mm_unaligned", "gemm.mm_unaligned_wgmma")
+    reasons = [by_name(n).supports(on_device(mm, "cuda"), "cuda") for n in names]
     assert all(r and "size-generic" in r for r in reasons), reasons
 
 
@@ -154,6 +155,35 @@ def test_generic_cuda_kernels_compile_for_sm90(fams):
     assert res.ok, res.log
 
 
+def _decode_family():
+    """mm(x, w.t()) at batch 1..8 of a bf16 decode step: the row count is the family's one dim."""
+    import torch
+
+    from forgepack.capture import card_from_call
+
+    w = torch.randn(200, 96, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    calls = [card_from_call(torch.ops.aten.mm.default, (torch.randn(m, 96).to(torch.bfloat16), w.t()), {})[0]
+             for m in (1, 2, 5, 8)]
+    calls = [dataclasses.replace(c, calls=1) for c in calls]
+    (card,) = families.fold(calls)
+    return on_device(card, "cuda")
+
+
+def test_decode_products_of_any_row_count_render_one_kernel_per_row_count():
+    card = _decode_family()
+    assert [(d.min, d.max) for d in card.family.dims] == [(1, 8)]
+    t = by_name("gemm.mv_rows")
+    src = t.render(card, "cuda", t.default(card, "cuda"))
+    assert "template <int M>" in src and "case 8: fp_gemv<8>" in src and "call->inputs[0].sizes[0] != " not in src
+    assert t.needs(card, "cuda", {}) == {"align": {0: 16, 1: 16, 2: 2}, "divisible": {}}
+    wide = dataclasses.replace(card, family=dataclasses.replace(
+        card.family, dims=(dataclasses.replace(card.family.dims[0], max=16),)))
+    assert "more than 8 rows" in t.supports(wide, "cuda")
+    if shutil.which("nvcc"):
+        res = compile_kernel(src, "cuda", arch="sm_90")
+        assert res.ok, res.log
+
+
 @pytest.mark.gpu
 def test_generic_cuda_kernels_verify_at_every_check_point_on_the_gpu(fams):
     picks = [("aten.mul.Tensor", "f32[64], f32[1,8,64]", "elementwise.binary"),
@@ -167,3 +197,8 @@ def test_generic_cuda_kernels_verify_at_every_check_point_on_the_gpu(fams):
             for params in (t.default(card, "cuda"), {**t.default(card, "cuda"), "vec": 1}):
                 verdict = familyeval.evaluate(ev, card, t.render(card, "cuda", params), bench=False)
                 assert verdict.accepted, f"{name} {params}: {verdict.reason}"
+        card = _decode_family()
+        t = by_name("gemm.mv_rows")
+        verdict = familyeval.evaluate(ev, card, t.render(card, "cuda", t.default(card, "cuda")), bench=True)
+        assert verdict.category in (None, "slower"), verdict.reason
+        assert len(verdict.diagnostics["family"]["points"]) == 4  # a speed-up per captured row count
