@@ -11,9 +11,11 @@ import tempfile
 from pathlib import Path
 
 import pytest
+import torch
 from test_families import _captured, _tiny_llama
 
 from forgepack import families, familyeval
+from forgepack.capture import card_from_call
 from forgepack.compile import compile_kernel
 from forgepack.evaluate import Evaluator, Verdict
 from forgepack.templates import by_name, on_device, templates_for
@@ -109,6 +111,34 @@ def test_row_reductions_whose_row_length_varies_are_refused(fams):
     assert "row length varies" in by_name("rowreduce.reduce").supports(card, "cpu")
 
 
+def _rows_family(op, make_args):
+    """One op captured at (batch, seq) = (1, 3), (2, 8), (4, 5) over rows of 48: a family of row counts."""
+
+    calls = [dataclasses.replace(card_from_call(op, make_args(torch.randn(b, s, 48)), {})[0], calls=1)
+             for b, s in ((1, 3), (2, 8), (4, 5))]
+    (card,) = families.fold(calls)
+    return card
+
+
+ROW_CASES = {
+    "softmax": (torch.ops.aten._softmax.default, lambda x: (x, -1, False)),
+    "layer_norm": (torch.ops.aten.native_layer_norm.default,
+                   lambda x: (x, [48], torch.randn(48), torch.randn(48), 1e-5)),
+}
+
+
+@pytest.mark.parametrize("name", list(ROW_CASES))
+def test_generic_softmax_and_layer_norm_verify_at_every_check_point(name, evaluator):
+    op, make_args = ROW_CASES[name]
+    card = _rows_family(op, make_args)
+    assert card.family is not None and len(card.family.dims) == 2
+    (t,) = [t for t in templates_for(card, "cpu") if t.name.startswith("rowreduce.")]
+    verdict = familyeval.evaluate(evaluator, card, t.render(card, "cpu", {}), bench=False)
+    assert verdict.accepted, verdict.reason
+    assert compile_kernel(t.render(on_device(card, "cuda"), "cuda", t.default(on_device(card, "cuda"), "cuda")),
+                          "cuda", arch="sm_90").ok or shutil.which("nvcc") is None
+
+
 def _timed(speedup, eager, low=None):
     return Verdict(True, None, "ok", {"verification": {}}, eager_us=eager, kernel_us=eager / speedup,
                    speedup=speedup, ci_low=low or speedup * 0.95, ci_high=speedup * 1.05)
@@ -157,9 +187,6 @@ def test_generic_cuda_kernels_compile_for_sm90(fams):
 
 def _decode_family():
     """mm(x, w.t()) at batch 1..8 of a bf16 decode step: the row count is the family's one dim."""
-    import torch
-
-    from forgepack.capture import card_from_call
 
     w = torch.randn(200, 96, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     calls = [card_from_call(torch.ops.aten.mm.default, (torch.randn(m, 96).to(torch.bfloat16), w.t()), {})[0]
