@@ -138,6 +138,7 @@ class LocalExecutor:
         return run_all(self, jobs)
 
     def _evaluate_loop(self, device_index: int) -> None:
+        from forgepack import familyeval
         from forgepack.evaluate import Evaluator
 
         evaluator, broken = None, None
@@ -158,8 +159,8 @@ class LocalExecutor:
                 try:
                     built = compiled.result()
                     started = time.monotonic()
-                    verdict = evaluator.evaluate_compiled(
-                        card, built, source, samples_path=samples_path, margin=self.margin, bench=True
+                    verdict = familyeval.evaluate_compiled(  # a family card: over its range
+                        evaluator, card, built, source, samples_path=samples_path, margin=self.margin, bench=True
                     )
                 except BaseException as err:  # reported through the future, never lost in a thread
                     result.set_exception(err)
