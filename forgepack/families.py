@@ -6,6 +6,8 @@ non-tensor values at different sizes. `fold` turns such a group into one family 
 - every (tensor, axis) whose size is the same at every point stays a fixed size;
 - axes whose sizes vary are named dims; axes whose sizes are equal at every point share one dim
   (equal dims across arguments: `mm`'s inner size, an add's operands);
+- an axis that is 1 at some points and more at others must share its dim with another axis, or it
+  may be a broadcast at its 1s (variants that broadcast differently are then separate families);
 - each stride is explained as `c * product of dims` (contiguous, channels-last, transposed and sliced
   views of a contiguous parent); a group whose strides have no such explanation is left unfolded;
 - a dim's range is what the points span (capture visits the envelope's corners, so the span is the
@@ -98,6 +100,8 @@ def explain(members: list[Card]) -> Family | None:
             names[vec] = f"d{len(names)}"
     if not names:
         return None  # the same sizes: not a family (equal cards differ elsewhere)
+    if any(_broadcast_at_some_points(vec, values) for vec in names):
+        return None
     dims = tuple(Dim(name, min(vec), max(vec)) for vec, name in names.items())
     dim_values = {name: vec for vec, name in names.items()}
     layouts: list[Layout | None] = []
@@ -122,6 +126,14 @@ def explain(members: list[Card]) -> Family | None:
     points = tuple(tuple((name, dim_values[name][i]) for name in dim_values) for i in range(len(members)))
     return Family(dims=dims, inputs=tuple(layouts[:n_in]), outputs=tuple(layouts[n_in:]), points=points,
                   point_calls=tuple(c.calls for c in members))
+
+
+def _broadcast_at_some_points(vec: tuple[int, ...], values: dict[tuple, tuple[int, ...]]) -> bool:
+    """A dim that is 1 at some points and more at others, held by one (tensor, axis) alone: at its 1s that
+    axis may be a broadcast where elsewhere it is a real size (RMSNorm's f32[b,s,64] x f32[b,s,1] beside
+    the MLP's f32[b,s,128] x f32[b,s,128]), so it is no dim. Held by several axes (an elementwise op's
+    operand and its output, say), the 1s are a real size of each. An axis 1 at every point stays a fixed 1."""
+    return 1 in vec and len(set(vec)) > 1 and sum(v == vec for v in values.values()) < 2
 
 
 def _stride_rule(strides: list[int], sizes: list[int], dims: dict[str, tuple[int, ...]]) -> tuple | None:

@@ -86,3 +86,34 @@ def test_check_points_cover_corners_primes_and_captured_points():
     assert any(v in (7, 13, 31, 61, 127) for p in pts for v in p.values())
     for p in pts:
         assert all(d.min <= p[d.name] <= d.max for d in dims)
+
+
+def test_a_broadcast_axis_is_not_folded_into_a_real_one():
+    """RMSNorm's x * rsqrt(var) (f32[b,s,64] x f32[b,s,1]) and the MLP's silu(g) * u (f32[b,s,128] x
+    f32[b,s,128]) are one op with the same ranks: folding them into one family would make the broadcast
+    axis a dim in 1..128 (a kernel would be verified as if 1 and 128 were sizes of one axis)."""
+    from forgepack.capture import card_from_call
+
+    mul = torch.ops.aten.mul.Tensor
+    calls = []
+    for b, s in POINTS:
+        calls.append(card_from_call(mul, (torch.randn(b, s, 64), torch.randn(b, s, 1)), {})[0])
+        calls.append(card_from_call(mul, (torch.randn(b, s, 128), torch.randn(b, s, 128)), {})[0])
+    fams = families.fold(calls)
+    assert len(fams) == 2 and all(c.family is not None for c in fams)
+    norm, mlp = sorted(fams, key=lambda c: c.family.inputs[1].shape[-1] != 1)
+    assert norm.family.inputs[1].shape[-1] == 1 and mlp.family.inputs[1].shape[-1] == 128
+    for fam in fams:
+        assert [(d.min, d.max) for d in fam.family.dims] == [(1, 4), (8, 64)]
+        assert len(families.members_at_points(fam)) == len(POINTS)
+
+
+def test_a_dim_that_is_1_at_some_points_is_kept_where_its_axes_agree():
+    """The batch axis is 1 at some points and shared by every tensor: still one dim (decode at batch 1..4)."""
+    from forgepack.capture import card_from_call
+
+    calls = [card_from_call(torch.ops.aten.mul.Tensor, (torch.randn(b, 1, 64), torch.randn(b, 1, 64)), {})[0]
+             for b in (1, 2, 4)]
+    (fam,) = families.fold(calls)
+    assert [(d.min, d.max) for d in fam.family.dims] == [(1, 4)]
+    assert fam.family.inputs[0].shape == ("d0", 1, 64)
