@@ -35,6 +35,7 @@ class AcceptedKernel:
     candidate_id: int | None = None
     kind: str = "op"  # "op" | "fusion"
     needs: Needs | None = None  # what the kernel states it needs of its inputs (None: `needs.default`)
+    binary_sha256: str = ""  # of the object that was verified and timed; the builder ships only that content
 
 
 def save_all(workspace_root: Path, kernels: list[AcceptedKernel]) -> Path:

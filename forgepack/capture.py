@@ -31,7 +31,8 @@ from torch.utils.weak import WeakTensorKeyDictionary
 
 from forgepack import samples as samples_mod
 from forgepack.cards import Arg, Card
-from forgepack.opcall import bind, encode_value, flatten_outputs, is_tensor_list, op_key
+from forgepack.opcall import bind, encode_value, is_tensor_list, op_key
+from forgepack.runtime.stockcall import flatten_outputs
 
 MAX_MODULE_PATHS = 6
 

@@ -13,8 +13,10 @@ import json
 import os
 import platform
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -113,3 +115,14 @@ def _matmul_tflops(device: torch.device, dtype: str, n: int) -> float:
     finally:
         torch.backends.cuda.matmul.allow_tf32 = tf32
     return 2 * n**3 / (us * 1e-6) / 1e12
+
+
+def kernel_names(fn: Callable[[], Any]) -> list[str]:
+    """The names of the CUDA kernels one call of `fn` launches, in launch order (CUPTI, through
+    torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]

@@ -43,7 +43,8 @@ from pathlib import Path
 from typing import Any
 
 from forgepack import cards as cards_mod
-from forgepack import staticcheck
+from forgepack import outcomes, staticcheck
+from forgepack import worker as worker_mod
 from forgepack.cards import Card
 from forgepack.compile import TARGETS, CompileResult, compile_kernel
 from forgepack.errors import ForgepackError
@@ -116,14 +117,12 @@ class _Worker:
 
     def __init__(self, target: str, device_index: int):
         self.stderr = tempfile.TemporaryFile()  # noqa: SIM115 - lives as long as the worker; closed in close()
-        env = dict(os.environ)
         root = str(Path(__file__).resolve().parent.parent)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-        env.setdefault("PYTHONUNBUFFERED", "1")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "forgepack.worker", "--target", target, "--device", str(device_index)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr, env=env, start_new_session=True,
-        )
+        # like a served process: a generic argv, the parent's environment and session (docs/verification.md)
+        self.proc = subprocess.Popen([sys.executable, "-c", worker_mod.BOOTSTRAP], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self.stderr)
+        self.proc.stdin.write(worker_mod.start_line(root, target, device_index, sandbox=target == "cpu").encode())
+        self.proc.stdin.flush()
         self.buffer = b""
         self.info: dict | None = None
         self.loaded: set[str] = set()
@@ -273,18 +272,21 @@ class Evaluator:
         start = time.perf_counter()
         answer = self._ask({"cmd": "verify", **request})
         verify_s = time.perf_counter() - start
-        if not answer.get("ok"):
+        if not answer.ok:
             return self._rejected(answer, base, seed, verify_s=verify_s)
-        verified = {k: answer[k] for k in ("input_sets", "max_abs_err", "tolerances") if k in answer}
+        verified = {"input_sets": list(answer.input_sets), "max_abs_err": answer.max_abs_err,
+                    "tolerances": answer.tolerances, "calls": answer.calls}
+        if answer.skipped_sets:
+            verified["skipped_sets"] = list(answer.skipped_sets)
         if not bench:
-            return Verdict(True, None, f"verified on {len(answer['input_sets'])} input sets (not benchmarked)",
+            return Verdict(True, None, f"verified on {len(answer.input_sets)} input sets (not benchmarked)",
                            {"verification": verified, "seed": seed}, verify_s=verify_s, **base)
         say("benchmarking")
         start = time.perf_counter()
         reps = {"reps": self.bench_reps} if self.bench_reps else {}
         timed = self._ask({"cmd": "bench", **request, **reps})
         bench_s = time.perf_counter() - start
-        if not timed.get("ok"):
+        if not timed.ok:
             return self._rejected(timed, base, seed, verify_s=verify_s, bench_s=bench_s)
         return _bench_verdict(timed, margin, base, {"verification": verified, "seed": seed}, verify_s, bench_s)
 
@@ -306,8 +308,8 @@ class Evaluator:
             raise ForgepackError(f"the evaluation worker could not start ({type(err).__name__}): {tail}") from err
         return worker
 
-    def _ask(self, message: dict) -> dict:
-        """One request to the worker; a death or a timeout becomes a crash/timeout answer."""
+    def _ask(self, message: dict) -> outcomes.Outcome:
+        """One request to the worker; a death or a timeout becomes a crash/timeout failure."""
         worker = self._ready()
         mark = worker.stderr.seek(0, os.SEEK_END)
         try:
@@ -315,19 +317,20 @@ class Evaluator:
         except WorkerTimeout:
             worker.kill()
             tail = worker.stderr_tail(mark)
-            return {"ok": False, "category": "timeout", "reason": f"did not finish within {self.timeout_s:g} s "
-                    "(hung, or far too slow); the worker was killed", "diagnostics": _tail(tail)}
+            return outcomes.Failure("timeout", f"did not finish within {self.timeout_s:g} s (hung, or far too slow); "
+                                    "the worker was killed", _tail(tail))
         except WorkerDied:
             how = worker.death()
             tail = worker.stderr_tail(mark)
-            return {"ok": False, "category": "crash", "reason": f"the worker {how} while running the kernel"
-                    + (f": {_last_line(tail)}" if tail else ""), "diagnostics": {"exit": how, **_tail(tail)}}
+            return outcomes.Failure("crash", f"the worker {how} while running the kernel"
+                                    + _death_hint(how) + (f": {_last_line(tail)}" if tail else ""),
+                                    {"exit": how, **_tail(tail)})
         if answer.get("error"):
             self._restart()
             raise ForgepackError(answer["error"])
         if message.get("binary"):
             worker.loaded.add(message["binary"])
-        return answer
+        return outcomes.from_json(answer)
 
     def _ensure_worker(self) -> _Worker:
         if self._worker is None or self._worker.proc.poll() is not None or len(self._worker.loaded) >= RECYCLE_AFTER:
@@ -341,13 +344,12 @@ class Evaluator:
             self._worker.close()
         self._worker = _Worker(self.target, self.device_index)
 
-    def _rejected(self, answer: dict, base: dict, seed: int, verify_s: float, bench_s: float = 0.0) -> Verdict:
-        category = answer.get("category", "crash")
-        if category in RESTART_AFTER:
+    def _rejected(self, answer: outcomes.Failure, base: dict, seed: int, verify_s: float,
+                  bench_s: float = 0.0) -> Verdict:
+        if answer.category in RESTART_AFTER:
             self._restart()
-        diagnostics = {**answer.get("diagnostics", {}), "seed": seed}
-        return Verdict(False, category, answer.get("reason", "rejected"), diagnostics,
-                       verify_s=verify_s, bench_s=bench_s, **base)
+        diagnostics = {**answer.diagnostics, "seed": seed}
+        return Verdict(False, answer.category, answer.reason, diagnostics, verify_s=verify_s, bench_s=bench_s, **base)
 
 
 def evaluate(card: Card, source: str, *, target: str, samples_path: Path | None = None, margin: float = 0.05,
@@ -380,21 +382,29 @@ def _compile_reason(log: str) -> str:
     return f"does not compile: {lines[-1][:300]}" if lines else "does not compile"
 
 
-def _bench_verdict(timed: dict, margin: float, base: dict, diagnostics: dict, verify_s: float,
+def _bench_verdict(timed: outcomes.Timed, margin: float, base: dict, diagnostics: dict, verify_s: float,
                    bench_s: float) -> Verdict:
-    speedup, low, high = timed["speedup"], timed["ci_low"], timed["ci_high"]
-    diagnostics = {**diagnostics, "bench": {k: timed[k] for k in ("reps", "input") if k in timed}, "margin": margin}
+    speedup, low, high = timed.speedup, timed.ci_low, timed.ci_high
+    bench = {"reps": timed.reps, "input": timed.input, "checked": timed.checked, "calls": timed.calls}
+    diagnostics = {**diagnostics, "bench": bench, "margin": margin}
     if speedup > 10:
         diagnostics["suspicious"] = "speed-up above 10x: worth a look at the kernel (it passed every check)"
-    timing = dict(eager_us=timed["eager_us"], kernel_us=timed["kernel_us"], speedup=speedup, ci_low=low, ci_high=high,
+    timing = dict(eager_us=timed.eager_us, kernel_us=timed.kernel_us, speedup=speedup, ci_low=low, ci_high=high,
                   verify_s=verify_s, bench_s=bench_s)
-    summary = f"{speedup:.3f}x (95% interval {low:.3f}-{high:.3f}; eager {timed['eager_us']:.1f} us, " \
-              f"kernel {timed['kernel_us']:.1f} us)"
+    summary = f"{speedup:.3f}x (95% interval {low:.3f}-{high:.3f}; eager {timed.eager_us:.1f} us, " \
+              f"kernel {timed.kernel_us:.1f} us)"
     if accept_rule(speedup, low, margin):
         return Verdict(True, None, f"verified; {summary}", diagnostics, **timing, **base)
     floor = 1 + margin if margin < 0 else 1.0
     return Verdict(False, "slower", f"verified but not fast enough: {summary}; needs >= {1 + margin:.3f}x with the "
                                     f"interval above {floor:.3f}", diagnostics, **timing, **base)
+
+
+def _death_hint(how: str) -> str:
+    """What a death signal says about the kernel, where it says something."""
+    if "SIGSYS" in how:
+        return " (a forbidden system call: the worker's sandbox refuses thread creation and sleeping)"
+    return ""
 
 
 def _tail(text: str) -> dict:

@@ -13,7 +13,7 @@ like an operator card (same `Card` schema, `kind="fusion"`):
 - `outputs`: what the chain returns; `chain`: the aten calls it replaces, each with its arguments,
   tensor arguments as refs (``["in", i]``: input i; ``["t", p, k]``: output k of chain entry p) and the
   metadata of its outputs; `fusion`: pattern, launch count, output refs, and the patch sites (for
-  `forgepack.pack.runtime.modules`: class or function, source digest, config facts, call form).
+  `forgepack.runtime.modules`: class or function, source digest, config facts, call form).
 
 Where chains come from (`find`): capture's per-call dataflow log (`forgepack.capture`) and its module
 call records. A *module* site is a leaf module whose whole forward is the chain (RMSNorm, GELU
@@ -23,7 +23,7 @@ Chains with vendor ops (matmul, conv, attention), host syncs, random ops, fewer 
 side effects visible to the caller, or intermediates used after them are not fused.
 
 `check_and_sample` runs the model once more with the sites patched in observe mode: every call's
-chain is replayed (`run_chain`) and must equal what the module computed, bit for bit, and the first
+chain is replayed (`opcall.run_chain`) and must equal what the module computed, bit for bit, and the first
 calls' inputs are kept as samples. `profile_cards` times each chain in isolation; its share is taken
 against the same total as the operator cards (the summed isolated time of every aten call), so the
 allocator can weigh it against them; the chain's calls are already inside that total. A chain's
@@ -45,11 +45,12 @@ from typing import Any
 
 import torch
 
-from forgepack import opcall
+from forgepack import devices, opcall, roofline, timing
 from forgepack import samples as samples_mod
 from forgepack.capture import Capture, ModuleCall, fold_path
 from forgepack.cards import Arg, Card, Profile, TensorMeta, by_output, output_key
-from forgepack.pack.runtime import modules as rt
+from forgepack.runtime import modules as rt
+from forgepack.runtime import opclasses, stockcall
 
 HOT_FUNCTIONS = ("apply_rotary_pos_emb",)
 MIN_LAUNCHES = 2
@@ -59,9 +60,6 @@ VENDOR_OPS = frozenset({
     "convolution", "_convolution", "cudnn_convolution", "mkldnn_convolution", "_slow_conv2d_forward",
     "conv2d", "embedding_bag",
 })
-HOST_SYNC_OPS = frozenset({"_local_scalar_dense", "item", "nonzero", "unique", "_unique2", "masked_select",
-                           "equal", "is_nonzero"})
-NO_KERNEL_OPS = frozenset({"empty", "empty_like", "empty_strided"})
 
 
 # --- what an op is ------------------------------------------------------------------------------------
@@ -72,13 +70,13 @@ def _base(op: str) -> str:
 
 
 def _is_view(op: str) -> bool:
-    returns = opcall.resolve(op)._schema.returns
+    returns = stockcall.resolve(op)._schema.returns
     return bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
 
 
 def _writes(op: str) -> list[int]:
     """Positions (in schema argument order) of the arguments the op writes in place."""
-    args = opcall.resolve(op)._schema.arguments
+    args = stockcall.resolve(op)._schema.arguments
     return [i for i, a in enumerate(args) if a.alias_info is not None and a.alias_info.is_write]
 
 
@@ -88,9 +86,9 @@ def _refusal(op: str) -> str | None:
         return f"{op} is not an aten op"
     if name in VENDOR_OPS or "scaled_dot_product" in name or "attention" in name:
         return f"vendor op {name}"
-    if name in HOST_SYNC_OPS:
+    if f"aten::{name}" in opclasses.HOST_SYNC_OPS:
         return f"host synchronisation ({name})"
-    func = opcall.resolve(op)
+    func = stockcall.resolve(op)
     if torch.Tag.nondeterministic_seeded in func.tags:
         return f"random op {name}"
     return None
@@ -98,7 +96,7 @@ def _refusal(op: str) -> str | None:
 
 def launches(chain: tuple[dict, ...] | list[dict]) -> int:
     """Chain entries that launch a kernel (not views, not bare allocations)."""
-    return sum(1 for e in chain if not _is_view(e["op"]) and _base(e["op"]) not in NO_KERNEL_OPS)
+    return sum(1 for e in chain if not _is_view(e["op"]) and f"aten::{_base(e['op'])}" not in opclasses.NO_KERNEL_OPS)
 
 
 # --- candidates ----------------------------------------------------------------------------------------
@@ -535,85 +533,6 @@ def group(cap: Capture, candidates: list[Candidate]) -> list[Card]:
     return [dataclasses.replace(c, modules=tuple(p for p, _ in paths[c.id].most_common(6))) for c in by_id.values()]
 
 
-# --- replaying the chain: the stock reference of a fusion card ---------------------------------------
-
-
-def run_chain(card: Card, tensors: list[torch.Tensor | None], device: torch.device | str | None = None
-              ) -> list[torch.Tensor]:
-    """Replay the chain with stock aten ops on these inputs (ABI order); its outputs, in order.
-
-    An input the chain writes in place (`h += residual`) is cloned first, so the caller's tensors are
-    never changed (the fused kernel does not change them either)."""
-    if device is None:
-        device = next((t.device for t in tensors if t is not None), torch.device("cpu"))
-    return chain_plan(card, torch.device(device))(tensors)
-
-
-class ChainPlan:
-    """A chain with its ops resolved and its non-tensor arguments decoded once, so that a replay costs
-    the aten calls and little else (profiling times replays)."""
-
-    def __init__(self, card: Card, device: torch.device):
-        self.steps = []
-        for entry in card.chain:
-            func = opcall.resolve(entry["op"])
-            positional, keyword = [], []
-            for schema_arg, a in zip(func._schema.arguments, entry["args"], strict=True):
-                if a["kind"] == "tensor":
-                    written = schema_arg.alias_info is not None and schema_arg.alias_info.is_write
-                    item = ("ref", tuple(a["ref"]), written)
-                elif a["kind"] == "tensors":
-                    item = ("refs", tuple(tuple(r) for r in a["refs"]), False)
-                elif a["kind"] == "none":
-                    item = ("const", None, False)
-                else:
-                    item = ("const", opcall.decode_value(schema_arg, a["value"], device), False)
-                if schema_arg.kwarg_only:
-                    keyword.append((schema_arg.name, item))
-                else:
-                    positional.append(item)
-            self.steps.append((func, tuple(positional), tuple(keyword)))
-        self.outputs = tuple(tuple(r) for r in card.fusion["outputs"])
-
-    def __call__(self, tensors: list[torch.Tensor | None]) -> list[torch.Tensor]:
-        values: list[list[torch.Tensor]] = []
-        inputs = list(tensors)
-        cloned: set[int] = set()
-
-        def get(ref: tuple) -> torch.Tensor:
-            return inputs[ref[1]] if ref[0] == "in" else values[ref[1]][ref[2]]
-
-        def arg(item: tuple):
-            kind, payload, written = item
-            if kind == "const":
-                return payload
-            if kind == "refs":
-                return [get(r) for r in payload]
-            if written and payload[0] == "in" and payload[1] not in cloned:
-                inputs[payload[1]] = inputs[payload[1]].clone()
-                cloned.add(payload[1])
-            return get(payload)
-
-        for func, positional, keyword in self.steps:
-            out = func(*[arg(i) for i in positional], **{k: arg(i) for k, i in keyword})
-            values.append(opcall.flatten_outputs(out))
-        return [get(r) for r in self.outputs]
-
-
-_PLANS: dict[tuple[str, str], ChainPlan] = {}
-
-
-def chain_plan(card: Card, device: torch.device) -> ChainPlan:
-    """The card's replay plan (cached per card id and device: the id covers the whole chain)."""
-    key = (card.id, str(device))
-    plan = _PLANS.get(key)
-    if plan is None:
-        if len(_PLANS) > 256:
-            _PLANS.clear()
-        plan = _PLANS[key] = ChainPlan(card, device)
-    return plan
-
-
 # --- sites for the runtime -------------------------------------------------------------------------------
 
 
@@ -680,7 +599,7 @@ def check_and_sample(model: torch.nn.Module, run: Callable[[], Any], cards: list
         seen[card.id] += 1
         if card.id in bad:
             return
-        replay = run_chain(card, tensors)
+        replay = opcall.run_chain(card, tensors)
         if len(replay) != len(outputs) or not all(_bits_equal(a, b) for a, b in zip(replay, outputs, strict=True)):
             bad[card.id] = "replaying the chain does not give what the module computed"
             return
@@ -689,12 +608,12 @@ def check_and_sample(model: torch.nn.Module, run: Callable[[], Any], cards: list
                                   [samples_mod.window(o).cpu() for o in outputs]))
 
     with torch.no_grad():
-        reference = opcall.flatten_outputs(_output(run()))
-        again = opcall.flatten_outputs(_output(run()))
+        reference = stockcall.flatten_outputs(_output(run()))
+        again = stockcall.flatten_outputs(_output(run()))
         patches = rt.ModulePatches(sites, call=lambda site, tensors: None, observe=observe)
         patches.install()
         try:
-            patched = opcall.flatten_outputs(_output(run()))
+            patched = stockcall.flatten_outputs(_output(run()))
         finally:
             patches.remove()
     # Bit for bit where the model itself is deterministic; else within a generous bound (a wrong glue
@@ -782,9 +701,6 @@ def profile_cards(cards: list[Card], sample_sets: dict[str, list], device: torch
     bytes; `share` is against `total_us`, the summed isolated time of every aten call of the model
     (the same total the operator cards' shares use), and its eager time is at most `operator_us`
     (see the module docstring). Baseline class "fusion"."""
-    from forgepack import profile as profile_mod
-    from forgepack import roofline, timing
-
     out = []
     reps = 20 if device.type == "cuda" else 7
     by_key = by_output(c for c in op_cards if c.profile is not None)
@@ -801,7 +717,7 @@ def profile_cards(cards: list[Card], sample_sets: dict[str, list], device: torch
         ops_us = operator_us(card, by_key)
         if ops_us is not None and ops_us > 0:
             eager_us = min(eager_us, ops_us)
-        kernels = profile_mod._kernels_of(fn) if device.type == "cuda" else []
+        kernels = devices.kernel_names(fn) if device.type == "cuda" else []
         roof = roofline.roofline(card, facts)
         total = eager_us * card.calls
         out.append(card.with_profile(Profile(

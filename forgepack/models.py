@@ -5,6 +5,11 @@
 - hub id: `huggingface_hub.snapshot_download` (honours the HF cache and `HF_HUB_OFFLINE`), then
   `from_pretrained` on the downloaded directory.
 
+A checkpoint loads as the model it is: with `workload.task = "auto"` (the default) the class is the
+first of its config.json `architectures` and the task follows from it (`resolve_task`); an explicit
+task loads through that task's Auto class. A load whose report has missing or unexpected weights is
+refused, naming them: random weights where the checkpoint has none would be measured and shipped.
+
 Inputs follow the workload: token ids for language models (prefill: `seq_len` tokens; decode: one step
 of `seq_len` tokens after `cache_len` tokens already in the KV cache), pixels for image classifiers.
 Prefill runs with `use_cache=False` (the forward's compute, without building a cache object). Decode
@@ -22,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import inspect
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -33,12 +37,21 @@ import torch
 
 from forgepack.errors import ForgepackError
 from forgepack.recipe import RANGE_FIELDS, Range, Recipe, Workload, high, low
+from forgepack.runtime.transformers_hooks import cache_kwarg_of
 
 _TASK_AUTO = {
     "causal-lm": "AutoModelForCausalLM",
     "text-encoder": "AutoModel",
     "image-classification": "AutoModelForImageClassification",
+    "sequence-classification": "AutoModelForSequenceClassification",
 }
+# transformers' own task tables, most specific first: which task a model class serves
+_TASK_MAPPINGS = (
+    ("causal-lm", "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES"),
+    ("image-classification", "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES"),
+    ("sequence-classification", "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES"),
+    ("text-encoder", "MODEL_MAPPING_NAMES"),
+)
 
 
 @dataclass
@@ -127,7 +140,61 @@ def check_dtype(dtype: torch.dtype, device: torch.device) -> None:
         raise ForgepackError(f"dtype {dtype} cannot run on {device.type}: {first}") from None
 
 
+def task_of(class_name: str, config: dict[str, Any]) -> str | None:
+    """The workload task a transformers model class serves, from transformers' task tables; None when
+    it is none of forgepack's (a base model counts as a text encoder only with a token vocabulary)."""
+    from transformers.models.auto import modeling_auto
+
+    for task, table in _TASK_MAPPINGS:
+        names = getattr(modeling_auto, table, {}).values()
+        served = any(class_name == n or (isinstance(n, tuple) and class_name in n) for n in names)
+        if served and (task != "text-encoder" or "vocab_size" in config):
+            return task
+    return None
+
+
+def resolve_task(recipe: Recipe) -> Recipe:
+    """The recipe with `workload.task = "auto"` made concrete, and for a checkpoint `model.arch` set
+    to the class its config.json names (`architectures`); an explicit task (`--task`) is kept as is.
+    Reads only config.json (for a hub model from the cache or the hub)."""
+    if recipe.workload.task != "auto":
+        return recipe
+    spec = recipe.model
+    if spec.config is not None:
+        config = dict(spec.config)
+        arch = spec.arch
+    else:
+        config = _read_config(spec)
+        arch = spec.arch or next(iter(config.get("architectures") or ()), None)
+    if arch is None:
+        if spec.config is not None:  # an inline config without a class: a language model, as always
+            return recipe.replace(workload={"task": "causal-lm"})
+        raise ForgepackError(f"{spec.source()}: config.json names no architectures; "
+                             f"say which task to load it for (--task, one of {', '.join(_TASK_AUTO)})")
+    task = task_of(arch, config)
+    if task is None:
+        raise ForgepackError(f"{spec.source()}: {arch} is not a model for any task forgepack runs "
+                             f"({', '.join(_TASK_AUTO)}); pass --task to load it as one")
+    return recipe.replace(workload={"task": task}, model={"arch": arch})
+
+
+def _read_config(spec) -> dict[str, Any]:
+    import json
+
+    if spec.path:
+        path = Path(spec.path).expanduser() / "config.json"
+        if not path.parent.is_dir():
+            raise ForgepackError(f"model directory {spec.path} does not exist")
+    else:
+        path = Path(_download(spec.hub, spec.revision, filename="config.json"))
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise ForgepackError(f"cannot read {path}: {err}") from None
+
+
 def load(recipe: Recipe) -> LoadedModel:
+    recipe = resolve_task(recipe)
     device = target_device(recipe)
     dtype = getattr(torch, recipe.workload.dtype)
     check_dtype(dtype, device)
@@ -242,13 +309,33 @@ def _build(recipe: Recipe, device: torch.device, dtype: torch.dtype) -> torch.nn
     if spec.path and not Path(spec.path).expanduser().is_dir():
         raise ForgepackError(f"model directory {spec.path} does not exist")
     path = str(Path(spec.path).expanduser()) if spec.path else _download(spec.hub, spec.revision)
-    auto = getattr(transformers, spec.arch or _TASK_AUTO[recipe.workload.task])
+    name = spec.arch or _TASK_AUTO[recipe.workload.task]
+    auto = getattr(transformers, name, None)
+    if auto is None:
+        raise ForgepackError(f"{spec.source()}: {name} is not a transformers model class (transformers "
+                             f"{transformers.__version__})")
     try:
-        model = auto.from_pretrained(path, dtype=dtype)
+        model, report = auto.from_pretrained(path, dtype=dtype, output_loading_info=True)
     except (OSError, ValueError) as err:
         first = str(err).strip().splitlines()[0]
         raise ForgepackError(f"cannot load a model from {path}: {first}") from None
+    problem = weights_problem(report)
+    if problem:
+        raise ForgepackError(f"{spec.source()} as {type(model).__name__}: {problem}; refusing a model with "
+                             "random weights in place of the checkpoint's (is --task right?)")
     return model.to(device)
+
+
+def weights_problem(report: dict[str, Any]) -> str | None:
+    """What a `from_pretrained` loading report says is wrong with the weights, naming them, or None."""
+    parts = []
+    for key, what in (("missing_keys", "missing from the checkpoint"), ("unexpected_keys", "not used by the model"),
+                      ("mismatched_keys", "of another shape than the model's")):
+        names = sorted(str(k[0] if isinstance(k, tuple) else k) for k in report.get(key) or ())
+        if names:
+            shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+            parts.append(f"{len(names)} weights {what} ({shown})")
+    return "; ".join(parts) or None
 
 
 def _from_config(recipe: Recipe, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
@@ -271,18 +358,36 @@ def _from_config(recipe: Recipe, device: torch.device, dtype: torch.dtype) -> to
     return model.to(dtype)
 
 
-def _download(repo_id: str, revision: str | None) -> str:
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
+def _download(repo_id: str, revision: str | None, filename: str | None = None) -> str:
+    """The snapshot directory (or one file of it) from the HF cache or the hub."""
+    from huggingface_hub import constants, hf_hub_download, snapshot_download
+    from huggingface_hub.errors import (
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
 
+    what = f"{repo_id!r}" + (f" at revision {revision!r}" if revision else "")
     try:
+        if filename:
+            return hf_hub_download(repo_id, filename, revision=revision)
         return snapshot_download(repo_id, revision=revision)
+    except RevisionNotFoundError:
+        raise ForgepackError(f"model {repo_id!r} has no revision {revision!r} on the Hugging Face Hub") from None
     except RepositoryNotFoundError:
         raise ForgepackError(f"unknown model {repo_id!r}: no such repository on the Hugging Face Hub") from None
     except (LocalEntryNotFoundError, HfHubHTTPError, OSError) as err:
         kind = type(err).__name__
+        offline = getattr(constants, "is_offline_mode", lambda: constants.HF_HUB_OFFLINE)()
+        if offline:  # offline already: only the cache counts, and it lacks this
+            raise ForgepackError(
+                f"cannot reach the Hugging Face Hub for {what}: HF_HUB_OFFLINE is set and it is not in the HF "
+                f"cache ({constants.HF_HUB_CACHE}; {kind}): download it once with network access, or use a "
+                "local directory (model.path)"
+            ) from None
         raise ForgepackError(
-            f"cannot reach the Hugging Face Hub for {repo_id!r} ({kind}): use a local directory "
+            f"cannot reach the Hugging Face Hub for {what} ({kind}): use a local directory "
             "(model.path) or a model already in the HF cache (HF_HUB_OFFLINE=1)"
         ) from None
 
@@ -301,7 +406,7 @@ def _with_inputs(recipe: Recipe, model: torch.nn.Module, device: torch.device, d
     vocab = config.get_text_config().vocab_size
     ids = torch.randint(0, vocab, (w.batch, w.seq_len), generator=gen).to(device)
     extra = {"vocab_size": vocab}
-    if w.task == "text-encoder":
+    if w.task in ("text-encoder", "sequence-classification"):
         mask = torch.ones_like(ids)
         return LoadedModel(recipe, model, {"input_ids": ids, "attention_mask": mask}, device, dtype, extra=extra)
     if w.phase == "prefill":
@@ -322,17 +427,12 @@ def _decode(recipe, model, ids, device, dtype, gen, extra) -> LoadedModel:
         prompt = torch.randint(0, vocab, (w.batch, w.cache_len), generator=gen).to(device)
         with torch.no_grad():
             model(input_ids=prompt, use_cache=True, cache_position=torch.arange(w.cache_len, device=device),
-                  **{_cache_kwarg(model): cache})
+                  **{cache_kwarg_of(model.forward): cache})
     positions = torch.arange(w.cache_len, w.cache_len + w.seq_len, device=device)
-    inputs = {"input_ids": ids, _cache_kwarg(model): cache, "use_cache": True, "cache_position": positions}
+    inputs = {"input_ids": ids, cache_kwarg_of(model.forward): cache, "use_cache": True, "cache_position": positions}
     extra["cache"] = cache
     state = snapshot(cache)
     return LoadedModel(recipe, model, inputs, device, dtype, after_step=lambda: restore(cache, state), extra=extra)
-
-
-def _cache_kwarg(model: torch.nn.Module) -> str:
-    """transformers 5.2x renamed `past_key_values` to `cache` (the old name warns until 5.40)."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def _holders(cache: Any) -> list[Any]:

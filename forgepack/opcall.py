@@ -1,7 +1,9 @@
-"""Encode an aten call's arguments into a card, and call the stock op again from a card.
+"""Encode an aten call's arguments into a card, and call the stock op again from a card (an operator
+card's op; a fusion card's chain of aten calls, replayed by a `ChainPlan`).
 
 Capture encodes every schema argument (defaults filled in) so that a variant is the full signature;
-the verifier, the profiler and the pack's self-test decode them to call `torch.ops.aten` again.
+the verifier, the profiler and the pack's self-test decode them to call `torch.ops.aten` again,
+through the runtime's one decoder (`forgepack.runtime.stockcall`).
 """
 
 from __future__ import annotations
@@ -12,14 +14,9 @@ from typing import Any
 import torch
 
 from forgepack.cards import Arg, Card
+from forgepack.runtime import stockcall
 
 _ENUMS = (torch.dtype, torch.layout, torch.memory_format)
-
-
-def resolve(op: str) -> torch._ops.OpOverload:
-    """`aten._softmax.default` -> the OpOverload."""
-    ns, name, overload = op.split(".")
-    return getattr(getattr(getattr(torch.ops, ns), name), overload)
 
 
 def op_key(func: torch._ops.OpOverload) -> str:
@@ -59,46 +56,19 @@ def is_tensor_list(value: Any) -> bool:
     return isinstance(value, list | tuple) and len(value) > 0 and all(isinstance(v, torch.Tensor) for v in value)
 
 
-def decode_value(schema_arg: Any, value: Any, device: torch.device) -> Any:
-    type_str = str(getattr(schema_arg, "real_type", schema_arg.type))  # `.type` spells ScalarType as int
-    if value is None:
-        return None
-    if "ScalarType" in type_str or "Layout" in type_str or "MemoryFormat" in type_str:
-        return getattr(torch, value)
-    if "Device" in type_str:
-        return device
-    return value
-
-
 def call_args(card: Card, tensors: list[torch.Tensor | None], device: torch.device | str) -> tuple[list, dict]:
     """Positional and keyword arguments to call the card's op with these tensor inputs (ABI order)."""
-    device = torch.device(device)
-    func = resolve(card.op)
-    feed = iter(tensors)
-    args, kwargs = [], {}
-    for schema_arg, a in zip(func._schema.arguments, card.args, strict=True):
-        value = _decode_arg(a, schema_arg, feed, device)
-        if schema_arg.kwarg_only:
-            kwargs[schema_arg.name] = value
-        else:
-            args.append(value)
-    return args, kwargs
+    return stockcall.call_args(stockcall.resolve(card.op), recorded(card.args), tensors, torch.device(device))
 
 
-def _decode_arg(a: Arg, schema_arg: Any, feed, device: torch.device) -> Any:
-    if a.kind == "tensor":
-        return next(feed)
-    if a.kind == "tensors":
-        return [next(feed) for _ in a.tensors]
-    if a.kind == "none":
-        next(feed)
-        return None
-    return decode_value(schema_arg, a.value, device)
+def recorded(args: tuple[Arg, ...]) -> list[stockcall.Recorded]:
+    """A card's arguments as the stock-call decoder reads them."""
+    return [(a.kind, len(a.tensors), a.value) for a in args]
 
 
 def run_stock(card: Card, tensors: list[torch.Tensor | None], device: torch.device | str) -> list[torch.Tensor]:
     """Call the stock aten op; outputs as a flat list of tensors (ABI output order). A fusion card's
-    stock is its chain of aten calls, replayed (`forgepack.fusion.run_chain`)."""
+    stock is its chain of aten calls, replayed (`run_chain`)."""
     return stock_call(card, tensors, device)()
 
 
@@ -107,18 +77,87 @@ def stock_call(card: Card, tensors: list[torch.Tensor | None], device: torch.dev
     """A zero-argument callable running the card's stock computation on these inputs (arguments decoded
     once, outside the call: for timing); it returns the outputs as `run_stock` does."""
     if card.kind == "fusion":
-        from forgepack import fusion  # lazily: fusion imports this module
-
-        plan = fusion.chain_plan(card, torch.device(device))
+        plan = chain_plan(card, torch.device(device))
         return lambda: plan(tensors)
     args, kwargs = call_args(card, tensors, device)
-    func = resolve(card.op)
-    return lambda: flatten_outputs(func(*args, **kwargs))
+    func = stockcall.resolve(card.op)
+    return lambda: stockcall.flatten_outputs(func(*args, **kwargs))
 
 
-def flatten_outputs(result: Any) -> list[torch.Tensor]:
-    if isinstance(result, torch.Tensor):
-        return [result]
-    if isinstance(result, list | tuple):
-        return [t for r in result for t in flatten_outputs(r)]
-    return []
+# --- a fusion card's stock: its chain of aten calls, replayed ---------------------------------------
+
+
+def run_chain(card: Card, tensors: list[torch.Tensor | None], device: torch.device | str | None = None
+              ) -> list[torch.Tensor]:
+    """Replay the chain with stock aten ops on these inputs (ABI order); its outputs, in order.
+
+    An input the chain writes in place (`h += residual`) is cloned first, so the caller's tensors are
+    never changed (the fused kernel does not change them either)."""
+    if device is None:
+        device = next((t.device for t in tensors if t is not None), torch.device("cpu"))
+    return chain_plan(card, torch.device(device))(tensors)
+
+
+class ChainPlan:
+    """A chain with its ops resolved and its non-tensor arguments decoded once, so that a replay costs
+    the aten calls and little else (profiling times replays)."""
+
+    def __init__(self, card: Card, device: torch.device):
+        self.steps = []
+        for entry in card.chain:
+            func = stockcall.resolve(entry["op"])
+            positional, keyword = [], []
+            for schema_arg, a in zip(func._schema.arguments, entry["args"], strict=True):
+                if a["kind"] == "tensor":
+                    written = schema_arg.alias_info is not None and schema_arg.alias_info.is_write
+                    item = ("ref", tuple(a["ref"]), written)
+                elif a["kind"] == "tensors":
+                    item = ("refs", tuple(tuple(r) for r in a["refs"]), False)
+                elif a["kind"] == "none":
+                    item = ("const", None, False)
+                else:
+                    item = ("const", stockcall.decode_value(schema_arg, a["value"], device), False)
+                if schema_arg.kwarg_only:
+                    keyword.append((schema_arg.name, item))
+                else:
+                    positional.append(item)
+            self.steps.append((func, tuple(positional), tuple(keyword)))
+        self.outputs = tuple(tuple(r) for r in card.fusion["outputs"])
+
+    def __call__(self, tensors: list[torch.Tensor | None]) -> list[torch.Tensor]:
+        values: list[list[torch.Tensor]] = []
+        inputs = list(tensors)
+        cloned: set[int] = set()
+
+        def get(ref: tuple) -> torch.Tensor:
+            return inputs[ref[1]] if ref[0] == "in" else values[ref[1]][ref[2]]
+
+        def arg(item: tuple):
+            kind, payload, written = item
+            if kind == "const":
+                return payload
+            if kind == "refs":
+                return [get(r) for r in payload]
+            if written and payload[0] == "in" and payload[1] not in cloned:
+                inputs[payload[1]] = inputs[payload[1]].clone()
+                cloned.add(payload[1])
+            return get(payload)
+
+        for func, positional, keyword in self.steps:
+            out = func(*[arg(i) for i in positional], **{k: arg(i) for k, i in keyword})
+            values.append(stockcall.flatten_outputs(out))
+        return [get(r) for r in self.outputs]
+
+
+_PLANS: dict[tuple[str, str], ChainPlan] = {}
+
+
+def chain_plan(card: Card, device: torch.device) -> ChainPlan:
+    """The card's replay plan (cached per card id and device: the id covers the whole chain)."""
+    key = (card.id, str(device))
+    plan = _PLANS.get(key)
+    if plan is None:
+        if len(_PLANS) > 256:
+            _PLANS.clear()
+        plan = _PLANS[key] = ChainPlan(card, device)
+    return plan

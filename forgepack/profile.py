@@ -20,10 +20,11 @@ from typing import Any
 import torch
 
 from forgepack import capture as capture_mod
-from forgepack import devices, families, opcall, roofline, samples, timing
+from forgepack import devices, families, fusion, opcall, roofline, samples, timing
 from forgepack.cards import Card, Profile, variant_id
 from forgepack.models import LoadedModel
 from forgepack.recipe import Recipe
+from forgepack.runtime import stockcall
 from forgepack.workspace import Workspace
 
 VENDOR_KERNELS = re.compile(r"gemm|cublas|cutlass|cudnn|flash|fmha|xmma|nvjet|sm\d+_|wgmma|cusparse|cufft", re.I)
@@ -63,14 +64,14 @@ def classify(op_name: str, kernels: list[str], device_type: str, is_view: bool) 
 
 
 def is_view_op(card: Card) -> bool:
-    func = opcall.resolve(card.op)
+    func = stockcall.resolve(card.op)
     returns = func._schema.returns
     return bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
 
 
 def aliases_input(fn: Callable[[], Any], inputs: list) -> bool:
     """Whether every output shares storage with an input (`_unsafe_view` is a view its schema hides)."""
-    outputs = opcall.flatten_outputs(fn())
+    outputs = stockcall.flatten_outputs(fn())
     storages = {t.untyped_storage().data_ptr() for t in inputs if t is not None}
     return bool(outputs) and all(o.untyped_storage().data_ptr() in storages for o in outputs)
 
@@ -93,7 +94,7 @@ def diagnose(gpu_busy: float | None, e2e_ms: float, op_ms: float, cards: list[Ca
 
 
 def _call(card: Card, inputs: list, device: torch.device) -> Callable[[], Any]:
-    func = opcall.resolve(card.op)
+    func = stockcall.resolve(card.op)
     args, kwargs = opcall.call_args(card, inputs, device)
     return lambda: func(*args, **kwargs)
 
@@ -106,15 +107,6 @@ def _inputs_for(card: Card, sets: list, device: torch.device) -> list:
     return samples.fresh_inputs(card, seed=0, device=device)
 
 
-def _kernels_of(fn: Callable[[], Any]) -> list[str]:
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-
-
 def measure_card(card: Card, sets: list, device: torch.device, facts: devices.DeviceFacts) -> Profile:
     """Time one variant in isolation and place it on the roofline; a call that fails has no time."""
     roof = roofline.roofline(card, facts)
@@ -125,7 +117,7 @@ def measure_card(card: Card, sets: list, device: torch.device, facts: devices.De
         fn = _call(card, inputs, device)
         view = view or aliases_input(fn, inputs)
         eager_us = timing.median(timing.time_us(fn, device, reps=reps, warmup=2))
-        kernels = _kernels_of(fn) if device.type == "cuda" else []
+        kernels = devices.kernel_names(fn) if device.type == "cuda" else []
     except (RuntimeError, IndexError, ValueError, TypeError):
         eager_us, kernels = 0.0, []
     baseline = classify(card.op_name, kernels, device.type, view)
@@ -251,8 +243,6 @@ def run_profile(recipe: Recipe, workspace: Workspace, progress: Callable[[str, i
         lm.run()  # warm-up: lazy initialisation (caches, kernels) is not the model's work
         note("end to end", 0, 1)
         e2e_ms = end_to_end(lm, 30 if lm.device.type == "cuda" else 10)
-        from forgepack import fusion  # lazily: fusion imports this module
-
         if lm.points:
             cap = capture_envelope(lm, note)
         else:
@@ -318,14 +308,11 @@ def load_profile(workspace: Workspace) -> ModelProfile | None:
     return ModelProfile(**workspace.read_json("profile.json"))
 
 
-def ensure_profile(recipe: Recipe, workspace: Workspace, progress=None) -> list[Card]:
-    """The workspace's cards, profiling first unless a profile of this same recipe is already there."""
-    existing = load_profile(workspace)
-    if existing and existing.recipe_fingerprint == recipe_fingerprint(recipe):
-        cards = workspace.load_cards()
-        if cards:
-            return cards
-    return run_profile(recipe, workspace, progress)[1]
+def operators_and_chains(cards: list[Card]) -> tuple[list[Card], list[Card]]:
+    """(operator cards, fusion chain cards), each largest share first. Operator shares add up to the
+    whole; a chain's share overlaps the operator calls it replaces, so the two are shown apart."""
+    ranked = sorted(cards, key=lambda c: -(c.profile.share if c.profile else 0.0))
+    return [c for c in ranked if c.kind != "fusion"], [c for c in ranked if c.kind == "fusion"]
 
 
 def top_share(cards: list[Card], n: int) -> list[Card]:

@@ -19,12 +19,14 @@ from typing import Any
 
 import tomllib
 
+from forgepack import tomlwriter
 from forgepack.errors import UsageError
 
 BUILTIN_DIR = Path(__file__).parent / "recipes"
 DEFAULT_RECIPE = "tiny-llama"
 
-TASKS = ("causal-lm", "text-encoder", "image-classification")
+# "auto": the checkpoint's own task, from its config.json `architectures` (`models.resolve_task`)
+TASKS = ("auto", "causal-lm", "text-encoder", "image-classification", "sequence-classification")
 PHASES = ("prefill", "decode", "generate")  # generate: prefill + decode steps, one pack
 DTYPES = ("float32", "float16", "bfloat16")
 MEMORY_FORMATS = ("contiguous", "channels_last")
@@ -88,7 +90,7 @@ class ModelSpec:
 
 @dataclass(frozen=True)
 class Workload:
-    task: str = "causal-lm"
+    task: str = "auto"
     phase: str = "prefill"
     batch: int | Range = 1
     seq_len: int | Range = 32  # generate: prompt lengths
@@ -253,7 +255,7 @@ def _check(origin: str, r: Recipe) -> None:
         raise UsageError(f"{origin}: 'workload.cache_len' must be 0 or more, got {w.cache_len}")
     if w.new_tokens < 1:
         raise UsageError(f"{origin}: 'workload.new_tokens' must be at least 1, got {w.new_tokens}")
-    if w.phase in ("decode", "generate") and w.task != "causal-lm":
+    if w.phase in ("decode", "generate") and w.task not in ("causal-lm", "auto"):  # auto: checked again once resolved
         raise UsageError(f"{origin}: 'workload.phase' = \"{w.phase}\" needs task \"causal-lm\", got {w.task!r}")
     if w.task == "image-classification" and any(isinstance(x, Range) for x in (w.seq_len, w.cache_len)):
         raise UsageError(f"{origin}: an image model's envelope is 'workload.batch' only")
@@ -303,9 +305,7 @@ def load(path: str | Path) -> Recipe:
 
 
 def dumps(recipe: Recipe) -> str:
-    import tomli_w  # lazy: only writing needs it, and the GPU machine may not have it
-
-    return tomli_w.dumps(to_dict(recipe))
+    return tomlwriter.dumps(to_dict(recipe))
 
 
 def save(recipe: Recipe, path: str | Path) -> None:

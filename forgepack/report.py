@@ -37,20 +37,21 @@ from pathlib import Path
 from string import Template
 from typing import Any
 
-from forgepack import __version__
+from forgepack import __version__, packreport
 from forgepack import accepted as accepted_mod
 from forgepack import cards as cards_mod
 from forgepack import recipe as recipe_mod
 from forgepack.accepted import AcceptedKernel
 from forgepack.cards import Card
 from forgepack.errors import ForgepackError
+from forgepack.packreport import PackReport
 from forgepack.profile import ModelProfile
 from forgepack.recipe import Recipe
-from forgepack.search.store import CallRecord, CandidateRecord
+from forgepack.search.store import CallRecord, CandidateRecord, read_snapshot
 from forgepack.workspace import Workspace
 
 TEMPLATE = Path(__file__).parent / "report_assets" / "report.html"
-PACK_REPORT = "pack_report.json"  # written by forgepack.pack.builder
+PACK_REPORT = packreport.FILE  # written by forgepack.pack.builder
 BENCH = "bench.json"  # `forgepack bench --json` output, kept in the workspace
 REPORT = "report.html"
 SECTIONS = (("profile", "Profile"), ("budget", "Budget"), ("results", "Results"), ("trees", "Search trees"),
@@ -81,7 +82,7 @@ class ReportData:
     cards: tuple[Card, ...]  # largest share first
     store: StoreData | None
     accepted: tuple[AcceptedKernel, ...]
-    pack: dict[str, Any] | None
+    pack: PackReport | None
     bench: dict[str, Any] | None
     problems: tuple[str, ...] = ()  # parts that exist but could not be read (and why)
 
@@ -117,7 +118,8 @@ def gather(root: str | Path) -> ReportData:
     cards = _load_cards(ws, problems)
     store = attempt("the search store", ws.store_path, lambda: read_store(ws.store_path))
     accepted = attempt("accepted kernels", ws.root / accepted_mod.FILE, lambda: accepted_mod.load_all(ws.root))
-    pack = attempt("the pack report", ws.root / PACK_REPORT, lambda: _json_object(ws.root / PACK_REPORT))
+    pack = attempt("the pack report", ws.root / PACK_REPORT,
+                   lambda: PackReport.from_json(_json_object(ws.root / PACK_REPORT)))
     bench = attempt("the benchmark", ws.root / BENCH, lambda: _json_object(ws.root / BENCH))
     return ReportData(ws.root, recipe, profile, tuple(cards), store, tuple(accepted or ()), pack, bench,
                       tuple(problems))
@@ -147,49 +149,8 @@ def _dataclass(cls: type, data: dict[str, Any]) -> Any:
 
 
 def read_store(path: Path) -> StoreData:
-    """The store's calls and candidates, read-only, in one read transaction (a snapshot of a running build).
-
-    WAL lets this read alongside the build's writer. A store on a read-only filesystem, whose shared
-    memory file cannot be created, is opened as immutable instead.
-    """
-    uri = Path(path).resolve().as_uri()
-    try:
-        db = sqlite3.connect(f"{uri}?mode=ro", uri=True, timeout=10.0, isolation_level=None)
-        db.execute("SELECT 1 FROM sqlite_master").fetchone()
-    except sqlite3.OperationalError:
-        db = sqlite3.connect(f"{uri}?immutable=1", uri=True, isolation_level=None)
-    db.row_factory = sqlite3.Row
-    try:
-        db.execute("BEGIN")
-        tables = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
-        calls = db.execute("SELECT * FROM calls ORDER BY id").fetchall() if "calls" in tables else []
-        cands = db.execute("SELECT * FROM candidates ORDER BY id").fetchall() if "candidates" in tables else []
-        db.execute("COMMIT")
-    finally:
-        db.close()
-    return StoreData(tuple(_call(r) for r in calls), tuple(_candidate(r) for r in cands))
-
-
-def _loads(text: str | None) -> Any:
-    try:
-        return None if text is None else json.loads(text)
-    except ValueError:
-        return None
-
-
-def _call(row: sqlite3.Row) -> CallRecord:
-    data = dict(row)
-    data["decision"] = _loads(data.get("decision"))
-    return _dataclass(CallRecord, data)
-
-
-def _candidate(row: sqlite3.Row) -> CandidateRecord:
-    data = dict(row)
-    data["params"] = _loads(data.get("params")) or {}
-    data["verdict"] = _loads(data.get("verdict"))
-    if data.get("accepted") is not None:
-        data["accepted"] = bool(data["accepted"])
-    return _dataclass(CandidateRecord, data)
+    """The store's calls and candidates, as one consistent snapshot (`store.read_snapshot`)."""
+    return StoreData(*read_snapshot(path))
 
 
 # --- per-card search results ------------------------------------------------------------------------------
@@ -266,15 +227,10 @@ def searches(data: ReportData) -> list[CardSearch]:
     return sorted(out, key=lambda s: (-_share(s.card), s.card_id))
 
 
-def _pack_decisions(pack: dict[str, Any] | None) -> dict[str, tuple[str, str]]:
-    if not pack:
+def _pack_decisions(pack: PackReport | None) -> dict[str, tuple[str, str]]:
+    if pack is None:
         return {}
-    out = {}
-    for key, status in (("dropped", "dropped"), ("kept", "kept")):
-        for d in pack.get(key) or ():
-            if isinstance(d, dict) and "card_id" in d:
-                out[d["card_id"]] = (status, str(d.get("reason", "")))
-    return out
+    return {d.card_id: ("kept" if d.kept else "dropped", d.reason) for d in (*pack.dropped, *pack.kept)}
 
 
 def _share(card: Card | None) -> float:
@@ -399,13 +355,22 @@ def png(fig: Any, alt: str, caption: str | None = None) -> Html:
     return tag("figure", img, tag("figcaption", caption) if caption else "")
 
 
-def plot_profile(figure: type, cards: Sequence[Card]) -> Html:
-    """Class totals as one stacked bar; per card, share (coloured by class) and roofline headroom."""
-    ranked = [c for c in cards if c.profile is not None][:TOP_CARDS][::-1]  # largest at the top
+def class_totals(ops: Sequence[Card]) -> dict[str, float]:
+    """Share of operator time per baseline class, over operator cards only: they add up to the whole
+    (a fusion chain's share overlaps the operator calls it replaces)."""
     by_class: dict[str, float] = {}
-    for c in cards:
-        if c.profile is not None:
+    for c in ops:
+        if c.profile is not None and c.kind != "fusion":
             by_class[c.profile.baseline] = by_class.get(c.profile.baseline, 0.0) + c.profile.share
+    return by_class
+
+
+def plot_profile(figure: type, cards: Sequence[Card]) -> Html:
+    """Class totals as one stacked bar; per operator card, share (coloured by class) and roofline
+    headroom. Fusion chains are left to their own table: their shares overlap the operators'."""
+    cards = [c for c in cards if c.kind != "fusion"]
+    ranked = [c for c in cards if c.profile is not None][:TOP_CARDS][::-1]  # largest at the top
+    by_class = class_totals(cards)
     fig = figure(figsize=(12, 1.6 + 0.32 * len(ranked)))
     grid = fig.add_gridspec(2, 2, height_ratios=[0.9, max(2.0, 0.32 * len(ranked))], width_ratios=[3, 2],
                             hspace=0.35, wspace=0.05)
@@ -565,17 +530,28 @@ def section_profile(data: ReportData, figure: type | None) -> Html:
     if not profiled:
         parts.append(missing(f"{len(data.cards)} cards captured, none timed yet"))
         return join(parts)
-    if figure is not None:
-        parts.append(plot_profile(figure, profiled))
+    ops = [c for c in profiled if c.kind != "fusion"]
+    chains = [c for c in profiled if c.kind == "fusion"]
+    if figure is not None and ops:
+        parts.append(plot_profile(figure, ops))
     rows = [(c.op_name, c.signature(), num(str(c.calls)), num(_us(c.profile.eager_us)),
              num(_pct(c.profile.share)), num(_us(c.profile.roofline_us)),
              num("-" if c.profile.baseline == "view" else _x(c.profile.headroom)), _class_span(c.profile.baseline),
-             c.id) for c in profiled]
+             c.id) for c in ops]
     headers = ("op", "signature", "calls", "µs/call", "share %", "roofline µs", "headroom", "class", "card")
     parts.append(table(headers, rows[:TOP_CARDS]))
     if len(rows) > TOP_CARDS:
         parts.append(tag("details", tag("summary", f"all {len(rows)} variants"),
                          tag("div", table(headers, rows), cls="scroll")))
+    if chains:
+        parts.append(tag("h3", "Fusion chains"))
+        parts.append(tag("p", "One kernel for a module's chain of the operator calls above. A chain's share is "
+                              "of the same operator time, spent in the calls it replaces: it overlaps the "
+                              "operators' shares and is not added to them.", cls="note"))
+        chain_rows = [(c.op_name, str((c.fusion or {}).get("module_class", "")), num(str(c.calls)),
+                       " ".join(str(e.get("op", "?")).removeprefix("aten.") for e in c.chain),
+                       num(_us(c.profile.eager_us)), num(_pct(c.profile.share)), c.id) for c in chains]
+        parts.append(table(("chain", "module", "calls", "replaces", "µs/call", "share %", "card"), chain_rows))
     return join(parts)
 
 
@@ -624,7 +600,7 @@ def section_budget(data: ReportData, figure: type | None) -> Html:
 def section_results(data: ReportData, rows: list[CardSearch], figure: type | None) -> Html:
     if not rows:
         return Html(missing("no search results yet"))
-    margin = float(data.pack.get("margin", 0.05)) if data.pack else (data.recipe.build.margin if data.recipe
+    margin = data.pack.margin if data.pack else (data.recipe.build.margin if data.recipe
                                                                        else 0.05)
     pending = sum(1 for r in rows for c in r.candidates if c.state != "evaluated")
     won = [r for r in rows if not r.eager_kept]
@@ -757,12 +733,12 @@ def section_pack(data: ReportData, figure: type | None) -> Html:
             text += f": {len(data.accepted)} accepted kernels wait in accepted.json for the pack builder"
         parts.append(missing(text))
     else:
-        s = pack.get("summary") or {}
-        wheel = pack.get("wheel")
-        counts = f"{len(pack.get('kept') or ())} / {len(pack.get('dropped') or ())}"
-        parts.append(tag("div", fact("gate", pack.get("gate", "?")), fact("kernels kept / dropped", counts),
-                         fact("acceptance margin", f"{float(pack.get('margin', 0)):.0%}"), cls="facts"))
-        parts.append(tag("p", "wheel: ", tag("code", Path(wheel).name) if wheel else "none (nothing to ship)"))
+        s = pack.summary
+        counts = f"{len(pack.kept)} / {len(pack.dropped)}"
+        parts.append(tag("div", fact("gate", pack.gate), fact("kernels kept / dropped", counts),
+                         fact("acceptance margin", f"{pack.margin:.0%}"), cls="facts"))
+        parts.append(tag("p", "wheel: ", tag("code", Path(pack.wheel).name) if pack.wheel
+                         else "none (nothing to ship)"))
         if s.get("stock_ms") is not None:
             ci = s.get("ci") or [None, None]
             ci_text = f"{ci[0]:.3f}-{ci[1]:.3f}" if None not in ci else "-"
@@ -770,14 +746,13 @@ def section_pack(data: ReportData, figure: type | None) -> Html:
             parts.append(table(("stock ms", "pack ms", "speed-up", "95% CI", "rounds x reps", "outputs"), [(
                 num(_ms(s.get("stock_ms"))), num(_ms(s.get("pack_ms"))), num(_x(s.get("speedup"))), num(ci_text),
                 num(f"{s.get('rounds', '?')} x {s.get('reps', '?')}"), s.get("outputs", ""))]))
-        elif pack.get("gate") == "skipped":
+        elif pack.gate == "skipped":
             parts.append(tag("p", "The end-to-end gate was skipped (--no-gate): no model-level numbers.", cls="note"))
         parts.append(tag("h3", "Kept and dropped kernels"))
-        rows = [(label(data.card(d.get("card_id", "")), str(d.get("card_id", "?")), 48),
-                 badge("kept" if d.get("kept") else "dropped", "s-kept" if d.get("kept") else "s-dropped"),
-                 d.get("stage", ""), num(_x(d.get("speedup"))),
-                 num("-" if d.get("e2e_ratio") is None else f"{d['e2e_ratio']:.3f}"), d.get("reason", ""))
-                for d in [*(pack.get("kept") or ()), *(pack.get("dropped") or ())] if isinstance(d, dict)]
+        rows = [(label(data.card(d.card_id), d.card_id, 48),
+                 badge("kept" if d.kept else "dropped", "s-kept" if d.kept else "s-dropped"),
+                 d.stage, num(_x(d.speedup)), num("-" if d.e2e_ratio is None else f"{d.e2e_ratio:.3f}"), d.reason)
+                for d in (*pack.kept, *pack.dropped)]
         parts.append(table(("kernel", "", "stage", "alone", "model time without / with", "why"), rows)
                      if rows else missing("no kernels reached the pack builder"))
     bars = _e2e_bars(pack, data.bench)
@@ -792,9 +767,9 @@ def section_pack(data: ReportData, figure: type | None) -> Html:
     return join(parts)
 
 
-def _e2e_bars(pack: dict | None, bench: dict | None) -> list[tuple[str, float, str]]:
+def _e2e_bars(pack: PackReport | None, bench: dict | None) -> list[tuple[str, float, str]]:
     bars = []
-    s = (pack or {}).get("summary") or {}
+    s = pack.summary if pack is not None else {}
     if s.get("stock_ms") and s.get("pack_ms"):
         bars.append(("gate: stock", float(s["stock_ms"]), ""))
         bars.append(("gate: pack", float(s["pack_ms"]), f"({_x(s.get('speedup'))})"))
@@ -866,7 +841,7 @@ def status_line(data: ReportData, rows: list[CardSearch]) -> str:
         parts.append(f"{sum(1 for r in rows if r.best is not None)} cards with an accepted kernel")
     else:
         parts.append("no search yet")
-    parts.append(f"pack: gate {data.pack.get('gate', '?')}" if data.pack else "no pack yet")
+    parts.append(f"pack: gate {data.pack.gate}" if data.pack else "no pack yet")
     return " · ".join(parts)
 
 

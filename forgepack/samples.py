@@ -8,6 +8,7 @@ Samples are kept as the storage window each view touches, in one safetensors fil
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import torch
@@ -110,6 +111,118 @@ def fresh_inputs(card: Card, seed: int, device: str | torch.device, edge: bool =
     gen = torch.Generator().manual_seed(seed)
     make = draw_edge if edge else draw
     return [None if m is None else make(m, gen, device) for m in card.tensor_inputs()]
+
+
+# --- adversarial value sets --------------------------------------------------------------------------
+#
+# Drawn like the captured values, then pushed where kernels tuned to the usual range break: a kernel
+# correct only for moderate magnitudes, only for isolated non-finite values, one that flushes
+# denormals, or one that caches on a sample of elements (the near-duplicate twin differs from its
+# original in a handful of random positions). Only float inputs change; ints and bools keep their
+# captured range, since they are indices and masks.
+
+# "shifted" (a large common offset) is drawn by `adversarial` but not used yet: the cpu layer/group norm
+# templates lose ~1e-4 relative precision on it (found here; theirs to fix) and would be rejected
+ADVERSARIAL_KINDS = ("large", "denormal", "nonfinite", "structured")
+# how far "large" scales and "shifted" moves values, per dtype (fp16 overflows at 65504: kept modest so
+# that stock and kernel do not straddle the overflow boundary on ordinary rounding differences)
+_LARGE = {"float16": 64.0, "bfloat16": 1e4, "float32": 1e4, "float64": 1e6}
+_SHIFT = {"float16": 100.0, "bfloat16": 1e3, "float32": 1e3, "float64": 1e6}
+_TINY = {"float16": 6.0e-5, "bfloat16": 1.1754944e-38, "float32": 1.1754944e-38, "float64": 2.2250738585072014e-308}
+
+
+def adversarial(meta: TensorMeta, kind: str, gen: torch.Generator, device: str | torch.device) -> torch.Tensor:
+    """`draw` pushed to one of `ADVERSARIAL_KINDS`, in meta's exact layout."""
+    t = draw(meta, gen, device)
+    n = meta.span()
+    if meta.dtype not in FLOAT_DTYPES or n == 0:
+        return t
+    stats = meta.stats or ValueStats()
+    std = stats.std if stats.std > 0 else max(abs(stats.mean), 1.0)
+    unit = torch.randn(n, generator=gen, dtype=torch.float64)
+    if stats.min >= 0:
+        unit = unit.abs()
+    if kind == "large":
+        values = unit * std * _LARGE[meta.dtype]
+    elif kind == "shifted":  # a large common offset over the usual spread: naive variance cancels
+        values = unit * std + _SHIFT[meta.dtype] * std * (1 if stats.mean >= 0 else -1)
+    elif kind == "denormal":  # below the smallest normal number, a few normal ones among them
+        values = unit * _TINY[meta.dtype] * torch.rand(n, generator=gen, dtype=torch.float64)
+        values[torch.rand(n, generator=gen) < 0.05] *= 64
+    elif kind == "nonfinite":
+        values = _with_nonfinite_runs(unit * std + stats.mean, gen)
+    elif kind == "structured":
+        values = _structured(n, std, stats.mean, gen, positive=stats.min >= 0)
+    else:
+        raise ValueError(f"unknown adversarial kind {kind!r}")
+    return materialize(meta, values, device)
+
+
+def _with_nonfinite_runs(values: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """Runs of NaN, +inf and -inf (adjacent ones, a run long enough to fill a vector or a short row),
+    mixed runs, and a few isolated ones."""
+    n = values.numel()
+    specials = (math.nan, math.inf, -math.inf)
+    for k in range(max(3, n // 512)):
+        length = int(torch.randint(1, max(2, min(64, n // 4)), (1,), generator=gen))
+        start = int(torch.randint(0, max(1, n - length), (1,), generator=gen))
+        if k % 4 == 3:  # a mixed run
+            picks = torch.randint(0, 3, (length,), generator=gen).tolist()
+            values[start : start + length] = torch.tensor([specials[p] for p in picks], dtype=values.dtype)
+        else:
+            values[start : start + length] = specials[k % 3]
+    return values
+
+
+def _structured(n: int, std: float, mean: float, gen: torch.Generator, positive: bool) -> torch.Tensor:
+    """One of: all equal, a ramp, sorted values, alternating signs, a short period repeated."""
+    pick = int(torch.randint(0, 5, (1,), generator=gen))
+    unit = torch.randn(n, generator=gen, dtype=torch.float64)
+    if pick == 0:
+        values = torch.full((n,), float(unit[0]) * std + mean, dtype=torch.float64)
+    elif pick == 1:
+        values = torch.linspace(-2 * std, 2 * std, n, dtype=torch.float64) + mean
+    elif pick == 2:
+        values = (unit * std + mean).sort().values
+    elif pick == 3:
+        values = unit.abs() * std * torch.tensor([1.0, -1.0], dtype=torch.float64).repeat(n // 2 + 1)[:n]
+    else:
+        values = (unit[:7] * std + mean).repeat(n // 7 + 1)[:n]
+    return values.abs() if positive else values
+
+
+def adversarial_inputs(card: Card, seed: int, device: str | torch.device) -> list[tuple[str, list]]:
+    """(label, inputs) for every adversarial kind, each its own seed; empty when no input is float."""
+    metas = card.tensor_inputs()
+    if not any(m is not None and m.dtype in FLOAT_DTYPES and m.span() for m in metas):
+        return []
+    sets = []
+    for k, kind in enumerate(ADVERSARIAL_KINDS):
+        gen = torch.Generator().manual_seed(seed + k)
+        sets.append((f"{kind} input (seed {seed + k})",
+                     [None if m is None else adversarial(m, kind, gen, device) for m in metas]))
+    return sets
+
+
+def near_duplicate(metas: list[TensorMeta | None], tensors: list, seed: int) -> list:
+    """Copies of `tensors` (in the metas' layouts) with a few random elements of each float input
+    changed (one in a thousand, at least one): a kernel keying a cache on a sample of elements fails."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for m, t in zip(metas, tensors, strict=True):
+        if m is None or t is None:
+            out.append(None)
+            continue
+        values = window(t).cpu()
+        if m.dtype in FLOAT_DTYPES and m.numel:
+            positions = torch.as_strided(torch.arange(m.span()), m.shape, m.stride, 0).reshape(-1)
+            idx = positions[torch.randint(0, positions.numel(), (max(1, m.numel // 1000),), generator=gen)]
+            bump = (torch.randn(idx.numel(), generator=gen, dtype=torch.float64) + 1.0).abs() + 0.25
+            changed = values[idx].to(torch.float64)
+            changed = torch.where(torch.isfinite(changed), changed + bump * changed.abs().clamp_min(1.0), bump)
+            values[idx] = changed.to(values.dtype)
+        out.append(materialize(m, values, t.device))
+    return out
 
 
 # --- the per-card sample file ----------------------------------------------------------------------

@@ -83,7 +83,8 @@ _SOURCE_RULES: list[tuple[str, str, str]] = [
     ("python", r"\b_?Py[A-Z]\w*\s*\(", "calls the Python C API ({0})"),
     ("stream", r"\bcuda(?:Stream|Event)(?:Create|Destroy)\w*|\bcudaGraph\w+|\bcudaStream(?:Begin|End)Capture\w*",
      "creates or manages streams, events or graphs ({0}): launch on call->stream only"),
-    ("thread", r"\bstd::(?:j?thread|async)\b|\bpthread_\w+|\b(?:fork|vfork|clone)\s*\(|\bomp_\w+|#\s*pragma\s+omp\b",
+    ("thread", r"\bstd::(?:j?thread|async)\b|\bpthread_\w+|\b(?:fork|vfork|clone)\s*\(|\bomp_\w+|#\s*pragma\s+omp\b"
+     r"|\b(?:thrd|mtx|cnd|tss)_\w+|\bcall_once\b",
      "creates threads ({0}): cpu kernels are single-threaded, cuda kernels use the GPU's"),
     ("sync", r"\bcuda(?:Device|Stream|Event|Thread)Synchronize\b|\bcuda(?:Stream|Event)Query\b|\bcudaStreamWaitEvent\b"
      r"|\bcudaLaunchHostFunc\b|\bcudaStreamAddCallback\b|\bcudaStreamIsCapturing\b|\bcudaStreamGetCaptureInfo\w*",
@@ -103,12 +104,17 @@ _SOURCE_RULES: list[tuple[str, str, str]] = [
     ("dlopen", r"\b(?:dlopen|dlsym|dlvsym|dlmopen|dlclose|dladdr|dlinfo|dl_iterate_phdr)\b|\bRTLD_\w+|\b__libc_\w+"
      r"|\bsyscall\s*\(",
      "looks up or loads code at run time ({0})"),
+    ("loader", r"\b(?:_DYNAMIC|_r_debug|r_debug|link_map|_GLOBAL_OFFSET_TABLE_|__ehdr_start|__executable_start|_etext"
+     r"|_edata|_end|__bss_start|dl_phdr_info|auxv|getauxval)\b|\b__builtin_(?:return|frame|extract_return)_address\b"
+     r"|\bElf(?:32|64)_\w+|\bElfW\b",
+     "walks the loader's or the process's own data ({0}): a kernel reaches no code but its own"),
     ("process", r"\b(?:system|popen|execl|execlp|execle|execv|execvp|execvpe|getenv|secure_getenv|setenv|putenv"
      r"|unsetenv"
      r"|fopen|freopen|open|openat|creat|socket|signal|sigaction|raise|kill|exit|_exit|_Exit|quick_exit|atexit"
      r"|at_quick_exit|setjmp|longjmp|sigsetjmp|siglongjmp|mprotect|shm_open|shmget|shmat|ftok|sleep|usleep"
-     r"|nanosleep|sched_yield|rand|srand|random|srandom|rand_r|drand48|lrand48|mrand48|srand48)\s*\("
-     r"|\bstd::random_device\b",
+     r"|nanosleep|sched_yield|rand|srand|random|srandom|rand_r|drand48|lrand48|mrand48|srand48|getpid|getppid|getsid"
+     r"|getpgid|getpgrp|gettid|prctl|isatty|sysconf|uname|gethostname|getrusage|times|getcwd|readlink)\s*\("
+     r"|\bstd::random_device\b|\b(?:environ|__environ|program_invocation_\w*)\b",
      "touches the process, environment, files or hidden library state ({0})"),
     ("fpenv", r"\b(?:fesetround|fesetenv|feupdateenv|feholdexcept|feclearexcept|fesetexceptflag|feenableexcept"
      r"|fedisableexcept|_mm_setcsr|__builtin_ia32_ldmxcsr|_MM_SET_\w+|_controlfp\w*)\b|#\s*pragma\s+STDC\s+FENV",
@@ -318,12 +324,56 @@ _DENIED_DEFINITIONS = re.compile(r"^(?:cuda\w+|__cuda\w+|cu[A-Z]\w*|malloc|callo
                                  r"|clock_gettime|gettimeofday|time|clock|nvrtc\w+|cublas\w+|cudnn\w+)$")
 
 
+# What a kernel object may import, by general rule: C math, the memory builtins the compiler emits,
+# printing (harmless: the worker's stdout goes to its log), the C++ runtime's unwinding and throw
+# helpers, abort/assert; for cuda the launch path nvcc generates and the CUDA runtime calls in
+# `_CUDA_ALLOWED`. Everything else (threads of any API, sleeping, timers, the loader, the process,
+# files, other libraries' symbols) is refused without needing a name on a list.
+_MATH = (r"(?:a?sinh?|a?cosh?|a?tanh?|atan2|exp|exp2|exp10|expm1|log|log2|log10|log1p|logb|ilogb|pow|sqrt|cbrt"
+         r"|hypot|erfc?|lgamma|tgamma|ceil|floor|trunc|round|lround|llround|rint|lrint|llrint|nearbyint|fmod"
+         r"|remainder|remquo|fma|fmax|fmin|fdim|fabs|copysign|nan|nextafter|nexttoward|frexp|ldexp|modf|scalbl?n"
+         r"|sincos|significand)[fl]?")
+_ALLOWED_IMPORTS = re.compile(
+    rf"^(?:{_MATH}|__{_MATH}_finite"
+    r"|memcpy|memmove|memset|memcmp|__mem(?:cpy|move|set)_chk|strlen|strcmp|strncmp"
+    r"|printf|puts|putchar|fprintf|fputs|fputc|fwrite|fflush|snprintf|sprintf|vprintf|vfprintf|vsnprintf"
+    r"|__(?:f|s|sn|v|vf|vsn)?printf_chk|stderr|stdout"
+    r"|abort|__assert_fail|qsort|bsearch|l?l?abs|l?l?div|strto[dfl]|strtol[ld]?|strtoul+|ato[ifl]"
+    r"|__stack_chk_fail|__gxx_personality_v0|_Unwind_Resume|__cxa_begin_catch|__cxa_end_catch|__cxa_rethrow"
+    r"|__cxa_call_unexpected|_ZSt9terminatev|__cxa_guard_(?:acquire|release|abort)|_ZSt\d+__throw_\w+)$")
+_CUDA_IMPORTS = re.compile(r"^(?:__cuda(?:RegisterFatBinary|RegisterFatBinaryEnd|UnregisterFatBinary|RegisterFunction"
+                           r"|RegisterVar|PushCallConfiguration|PopCallConfiguration|LaunchKernel\w*|GetKernel"
+                           r"|InitModule|RegisterLinkedBinary\w*)|atexit)$")
+# x86 instructions no kernel needs: time stamps, hardware randomness, system calls (what the import rules
+# cannot see: intrinsics and builtins compile to these directly)
+_FORBIDDEN_INSTRUCTIONS = re.compile(r"\t(rdtscp?|rdpid|rdpmc|rdrand|rdseed|syscall|sysenter|int\s+\$0x80|wrfsbase"
+                                     r"|wrgsbase|rdfsbase|rdgsbase)\b")
+
+
 @dataclass(frozen=True)
 class _Symbol:
     name: str
     type: str  # FUNC, OBJECT, TLS, NOTYPE, SECTION, FILE
     bind: str  # LOCAL, GLOBAL, WEAK
     section: str  # section name, "UND" when undefined
+    value: int = 0
+    size: int = 0
+
+
+@dataclass(frozen=True)
+class _Section:
+    name: str
+    flags: str
+    size: int
+    align: int
+
+
+@dataclass(frozen=True)
+class _Elf:
+    symbols: list[_Symbol]
+    sections: dict[str, _Section]
+    relocations: list[tuple[str, int, str]]  # (section relocated, offset, symbol name)
+    init_entries: int
 
 
 def object_path(binary: str | Path) -> Path:
@@ -336,46 +386,96 @@ def check_object(binary: str | Path, target: str, source: str = "") -> list[Find
     obj = object_path(binary)
     if not obj.exists():
         return [Finding("object", f"no object file next to {binary}: compile it with forgepack.compile")]
-    symbols, writable, init_entries = _read_elf(obj)
+    elf = _read_elf(obj)
     constants = set(re.findall(r"__constant__[^;=({]*?\b([A-Za-z_]\w*)\s*(?:\[[^\]]*\]\s*)*[;=]", blank_strings(
         strip_comments(source)))) if target == "cuda" else set()
-    findings = _state_findings(symbols, writable, constants) + _import_findings(symbols, target)
-    for s in symbols:
+    code = _disassemble(obj)
+    findings = _state_findings(elf, constants) + _import_findings(elf, target, code) + _instruction_findings(code)
+    for s in elf.symbols:
         if s.section != "UND" and s.bind != "LOCAL" and _DENIED_DEFINITIONS.match(s.name):
             findings.append(Finding("defines-cuda", f"defines {s.name}: kernels must not replace CUDA or C library "
                                                     "functions", f"object symbol {s.name}"))
             break
     allowed_init = 1 if target == "cuda" else 0  # nvcc registers the fat binary from one initialiser
-    if init_entries > allowed_init:
+    if elf.init_entries > allowed_init:
         findings.append(Finding("constructor", "runs code when loaded (a constructor function or a global object "
                                                "with a constructor)", "object .init_array"))
     return findings
 
 
-def _state_findings(symbols: list[_Symbol], writable: set[str], constants: set[str]) -> list[Finding]:
-    """Named objects in writable sections: static, global, thread-local, __device__/__managed__ shadows."""
-    names = []
-    for s in symbols:
+def _allowed_data(s: _Symbol, constants: set[str]) -> bool:
+    return bool(_INTERNAL.search(s.name)) or _base_name(s.name) in constants
+
+
+def _state_findings(elf: _Elf, constants: set[str]) -> list[Finding]:
+    """Writable data the kernel owns: named objects in writable sections (static, global, thread-local,
+    host shadows of __device__/__managed__ variables), and writable bytes no allowed symbol accounts
+    for (data placed by section attributes or assembler directives: hidden state)."""
+    names, hidden = [], []
+    writable = {n for n, sec in elf.sections.items() if _is_state_section(sec)}
+    for s in elf.symbols:
         if s.section not in writable or s.type not in ("OBJECT", "TLS", "NOTYPE"):
             continue
-        if _INTERNAL.search(s.name) or not s.name or s.name.startswith(".") or _base_name(s.name) in constants:
+        if not s.name or s.name.startswith(".") or _allowed_data(s, constants):
             continue
         names.append(s.name)
-    if not names:
-        return []
-    shown = ", ".join(demangle(names[:4]))
-    message = (f"keeps mutable global or static state ({shown}): kernels are pure functions of their inputs "
-               "(no static, thread_local, __device__ or __managed__ variables)")
-    return [Finding("state", message, "object kernel.o")]
+    for name in sorted(writable):
+        uncovered = _uncovered_bytes(elf.sections[name], [s for s in elf.symbols if s.section == name and s.size
+                                                          and _allowed_data(s, constants)])
+        if uncovered:
+            hidden.append(f"{uncovered} bytes of {name}")
+    findings = []
+    if names:
+        shown = ", ".join(demangle(names[:4]))
+        findings.append(Finding("state", f"keeps mutable global or static state ({shown}): kernels are pure "
+                                         "functions of their inputs (no static, thread_local, __device__ or "
+                                         "__managed__ variables)", "object kernel.o"))
+    elif hidden:
+        findings.append(Finding("state", f"keeps writable data outside any variable ({', '.join(hidden[:3])}): "
+                                         "kernels keep no state between calls", "object kernel.o"))
+    return findings
 
 
-def _import_findings(symbols: list[_Symbol], target: str) -> list[Finding]:
+def _is_state_section(sec: _Section) -> bool:
+    """Writable and allocated, and not data the loader makes read-only (RELRO) or the initialiser list."""
+    if "W" not in sec.flags or "A" not in sec.flags or sec.size == 0:
+        return False
+    return not sec.name.startswith((".data.rel.ro", ".init_array", ".fini_array", ".ctors", ".dtors"))
+
+
+def _uncovered_bytes(sec: _Section, symbols: list[_Symbol]) -> int:
+    """Bytes of `sec` outside every symbol in `symbols`, alignment padding forgiven."""
+    spans = sorted((s.value, s.value + s.size) for s in symbols)
+    uncovered, at = 0, 0
+    for start, end in [*spans, (sec.size, sec.size)]:
+        gap = start - at
+        if gap > 0 and gap >= _alignment_at(start, sec.align):
+            uncovered += gap
+        at = max(at, end)
+    return uncovered
+
+
+def _alignment_at(offset: int, section_align: int) -> int:
+    """The alignment an object starting at `offset` can have in a section aligned to `section_align`: a
+    gap shorter than it is the padding before that object (nvcc puts a 1-byte guard before an 8-byte
+    handle, and a `__constant__` table's 32-byte-aligned host shadow after them)."""
+    align = max(section_align, 1)
+    return min(align, offset & -offset) if offset else align
+
+
+def _import_findings(elf: _Elf, target: str, code: str) -> list[Finding]:
     findings, seen = [], set()
-    for s in symbols:
+    stubs = _device_function_host_bodies(elf, code) if target == "cuda" else set()
+    for s in elf.symbols:
         if s.section != "UND" or not s.name or s.name in seen:
             continue
         seen.add(s.name)
-        if s.name.startswith("cuda") and s.name not in _CUDA_ALLOWED:
+        if _ALLOWED_IMPORTS.match(s.name) or (target == "cuda" and (s.name in _CUDA_ALLOWED
+                                                                     or _CUDA_IMPORTS.match(s.name))):
+            continue
+        if s.name == "exit" and target == "cuda" and _only_from(elf, "exit", stubs):
+            continue  # nvcc's host body of a __device__ function is `exit(1)`: never called from the host
+        if s.name.startswith("cuda"):
             findings.append(Finding("cuda-call", f"calls {s.name}, which kernels may not use (allowed CUDA runtime "
                                                  "calls: launches, error queries, attributes, async copies on "
                                                  "call->stream)", f"object symbol {s.name}"))
@@ -384,7 +484,71 @@ def _import_findings(symbols: list[_Symbol], target: str) -> list[Finding]:
             if pattern.match(s.name):
                 findings.append(Finding(rule, f"{what}: calls {demangle([s.name])[0]}", f"object symbol {s.name}"))
                 break
+        else:
+            findings.append(Finding("import", f"imports {demangle([s.name])[0]}, which is not on the kernel import "
+                                              "allow-list (C math, memory builtins, printing, abort; see "
+                                              "docs/verification.md)", f"object symbol {s.name}"))
     return findings
+
+
+def _device_function_host_bodies(elf: _Elf, code: str) -> set[str]:
+    """Functions nvcc wrote as the host side of a `__device__` function: tiny, containing one relocation,
+    to `exit`, and called or referenced from nowhere in the object (no relocation names them, and no
+    instruction targets them: a call within one section needs no relocation)."""
+    funcs = [s for s in elf.symbols if s.type == "FUNC" and s.section != "UND" and s.size]
+    referenced = {name for _, _, name in elf.relocations}
+    targeted = _called_from_elsewhere(code)
+    bodies = set()
+    for f in funcs:
+        inside = [name for sec, off, name in elf.relocations if sec == f.section and f.value <= off < f.value + f.size]
+        if inside == ["exit"] and f.size <= 48 and f.name not in referenced and f.name not in targeted:
+            bodies.add(f.name)
+    return bodies
+
+
+def _called_from_elsewhere(code: str) -> set[str]:
+    """Functions some instruction outside them names as its operand (`call 0 <name>`)."""
+    targets, current = set(), None
+    for line in code.splitlines():
+        head = re.match(r"^[0-9a-f]+ <([^>]+)>:$", line)
+        if head:
+            current = head.group(1)
+            continue
+        if "\t" in line:
+            targets |= {t for t in re.findall(r"<([^>+]+)(?:\+0x[0-9a-f]+)?>", line) if t != current}
+    return targets
+
+
+def _only_from(elf: _Elf, name: str, functions: set[str]) -> bool:
+    """Every relocation to `name` lies inside one of `functions`."""
+    by_name = {s.name: s for s in elf.symbols if s.type == "FUNC" and s.section != "UND"}
+    for sec, off, target in elf.relocations:
+        if target != name:
+            continue
+        if not any(f in by_name and by_name[f].section == sec and by_name[f].value <= off < by_name[f].value
+                   + by_name[f].size for f in functions):
+            return False
+    return True
+
+
+def _disassemble(obj: Path) -> str:
+    try:
+        out = subprocess.run(["objdump", "-d", "--no-show-raw-insn", str(obj)], capture_output=True, text=True,
+                             check=False, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return out.stdout
+
+
+def _instruction_findings(code: str) -> list[Finding]:
+    """Host machine code that reads time stamps or hardware randomness or enters the kernel directly."""
+    if not code:
+        return [Finding("object", "could not disassemble the object (objdump)")]
+    m = _FORBIDDEN_INSTRUCTIONS.search(code)
+    if not m:
+        return []
+    return [Finding("instruction", f"executes {m.group(1)}: a kernel reads no clock, no hardware randomness and "
+                                   "makes no system calls", "object kernel.o")]
 
 
 def _base_name(symbol: str) -> str:
@@ -396,38 +560,43 @@ def _base_name(symbol: str) -> str:
 
 
 # section header: [Nr] Name Type Address Off Size ES Flg Lk Inf Al (Flg may be empty)
-_SECTION = re.compile(r"^\s*\[\s*(\d+)\]\s+(\S+)\s+\S+\s+[0-9a-f]+\s+[0-9a-f]+\s+[0-9a-f]+\s+[0-9a-f]+"
-                      r"\s+([A-Za-z]*)\s+\d+")
-# writable in an object file, but not state: relocated read-only data (vtables), initialiser arrays
-_NOT_STATE_SECTIONS = (".data.rel.ro", ".init_array", ".fini_array", ".ctors", ".dtors", ".nvFatBinSegment")
+_SECTION = re.compile(r"^\s*\[\s*(\d+)\]\s+(\S+)\s+\S+\s+[0-9a-f]+\s+[0-9a-f]+\s+([0-9a-f]+)\s+[0-9a-f]+"
+                      r"\s+([A-Za-z]*)\s+\d+\s+\d+\s+(\d+)")
+_RELOC = re.compile(r"^([0-9a-f]+)\s+[0-9a-f]+\s+\S+\s+[0-9a-f]+\s+([^\s+-]+)")
 
 
-def _read_elf(obj: Path) -> tuple[list[_Symbol], set[str], int]:
+def _read_elf(obj: Path) -> _Elf:
     out = subprocess.run(["readelf", "-W", "-S", "-s", "-r", str(obj)], capture_output=True, text=True, check=False)
-    sections: dict[str, str] = {}
-    writable: set[str] = set()
+    index: dict[str, str] = {}
+    sections: dict[str, _Section] = {}
     symbols: list[_Symbol] = []
-    init_entries = 0
-    in_symtab = False
+    relocations: list[tuple[str, int, str]] = []
+    init_entries, in_symtab, relocating = 0, False, None
     for line in out.stdout.splitlines():
         sec = _SECTION.match(line)
         if sec and not in_symtab:
-            sections[sec.group(1)] = sec.group(2)
-            if "W" in sec.group(3) and not sec.group(2).startswith(_NOT_STATE_SECTIONS):
-                writable.add(sec.group(2))
+            index[sec.group(1)] = sec.group(2)
+            sections[sec.group(2)] = _Section(sec.group(2), sec.group(4), int(sec.group(3), 16), int(sec.group(5)))
             continue
-        rel = re.match(r"^Relocation section '\.rela?\.(?:init_array|ctors)' .* contains (\d+) entr", line)
+        rel = re.match(r"^Relocation section '\.rela?(\.\S+)' .* contains (\d+) entr", line)
         if rel:
-            init_entries += int(rel.group(1))
+            relocating = rel.group(1)
+            if relocating.startswith((".init_array", ".ctors")):
+                init_entries += int(rel.group(2))
             continue
         if line.startswith("Symbol table"):
-            in_symtab = True
+            in_symtab, relocating = True, None
             continue
-        sym = re.match(r"^\s*\d+:\s+[0-9a-f]+\s+\d+\s+(\w+)\s+(\w+)\s+\w+\s+(\w+)\s*(\S*)", line)
+        entry = _RELOC.match(line.strip()) if relocating else None
+        if entry:
+            relocations.append((relocating, int(entry.group(1), 16), entry.group(2)))
+            continue
+        sym = re.match(r"^\s*\d+:\s+([0-9a-f]+)\s+(\d+)\s+(\w+)\s+(\w+)\s+\w+\s+(\w+)\s*(\S*)", line)
         if in_symtab and sym:
-            typ, bind, ndx, name = sym.groups()
-            symbols.append(_Symbol(name, typ, bind, "UND" if ndx == "UND" else sections.get(ndx, ndx)))
-    return symbols, writable, init_entries
+            value, size, typ, bind, ndx, name = sym.groups()
+            symbols.append(_Symbol(name, typ, bind, "UND" if ndx == "UND" else index.get(ndx, ndx), int(value, 16),
+                                   int(size)))
+    return _Elf(symbols, sections, relocations, init_entries)
 
 
 def demangle(names: list[str]) -> list[str]:

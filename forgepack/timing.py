@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from forgepack.intervals import bootstrap_ratio_ci
+
 CUDA_FLUSH_BYTES = 256 << 20  # well over the H200's 60 MB L2
 CPU_FLUSH_BYTES = 32 << 20
 
@@ -42,7 +44,7 @@ class Flusher:
 
 
 @contextlib.contextmanager
-def _one_thread_on_cpu(device: torch.device):
+def one_thread_on_cpu(device: torch.device):
     """Isolated CPU timings run on one intra-op thread.
 
     Between cache flushes a multi-threaded pool goes to sleep, and waking it (or waiting for a thread
@@ -94,7 +96,7 @@ def time_us(
     device = torch.device(device)
     if not flush:  # end-to-end timings: the model as it runs, thread pool and all
         return _timed(fn, device, None, reps, warmup)
-    with _one_thread_on_cpu(device):
+    with one_thread_on_cpu(device):
         return _timed(fn, device, Flusher(device), reps, warmup)
 
 
@@ -124,39 +126,41 @@ def compare(
     reps: int = 40,
     warmup: int = 3,
     seed: int = 0,
+    before_b: Callable[[], object] | None = None,
+    after_b: Callable[..., object] | None = None,
+    before_a: Callable[[], object] | None = None,
 ) -> Comparison:
-    """Time A and B in alternating order (random order within each pair), L2 flushed before each."""
+    """Time A and B in alternating order (random order within each pair), L2 flushed before each.
+
+    `before_b` runs before every call of B (warm-up included) and `after_b` after it, both outside the
+    timed region: the verifier refills B's output buffers and checks every call's result there.
+    `after_b` gets the call's time in microseconds (None for a warm-up call); `before_a` runs before each
+    timed call of A (the verifier gives both sides the same surroundings)."""
     device = torch.device(device)
     flusher = Flusher(device)
     rng = random.Random(seed)
     a, b = [], []
-    with _one_thread_on_cpu(device):
+    before, after = before_b or (lambda: None), after_b or (lambda _us=None: None)
+    before_stock = before_a or (lambda: None)
+    with one_thread_on_cpu(device):
         for _ in range(warmup):
             fn_a()
+            before()
             fn_b()
+            _sync(device)
+            after(None)
         _sync(device)
         for _ in range(reps):
             pair = [(a, fn_a), (b, fn_b)]
             rng.shuffle(pair)
             for out, fn in pair:
+                (before if out is b else before_stock)()
                 out.append(time_once(fn, device, flusher))
+                if out is b:
+                    after(out[-1])
     low, high = bootstrap_ratio_ci(a, b, seed=seed)
     med_a, med_b = statistics.median(a), statistics.median(b)
     return Comparison(med_a, med_b, med_a / med_b, low, high, reps)
-
-
-def bootstrap_ratio_ci(
-    a: list[float], b: list[float], n: int = 1000, alpha: float = 0.05, seed: int = 0
-) -> tuple[float, float]:
-    """Percentile bootstrap interval of median(a)/median(b)."""
-    rng = random.Random(seed)
-    ratios = []
-    for _ in range(n):
-        ra = statistics.median(rng.choices(a, k=len(a)))
-        rb = statistics.median(rng.choices(b, k=len(b)))
-        ratios.append(ra / rb)
-    ratios.sort()
-    return ratios[int(n * alpha / 2)], ratios[int(n * (1 - alpha / 2)) - 1]
 
 
 def median(values: list[float]) -> float:

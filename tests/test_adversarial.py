@@ -38,6 +38,13 @@ def sum_card():
     return card
 
 
+def mean_card():
+    """Row means near 4e-4: where a fixed fp32 atol of 1e-5 hid a bf16-sized error."""
+    torch.manual_seed(0)
+    card, _, _ = card_from_call(torch.ops.aten.mean.dim, (torch.rand(64, 4096) * 8e-4, [1], False))
+    return card
+
+
 def max_dim_card():
     torch.manual_seed(0)
     card, _, _ = card_from_call(torch.ops.aten.max.dim, (torch.randn(16, 32), 1, False))
@@ -78,6 +85,22 @@ CPU_CASES = [
     ("nan_unwritten.cpp", relu_card, "mismatch", "unwritten"),
     ("second_output_wrong.cpp", max_dim_card, "mismatch", "output 1"),
     ("compile_error.cpp", relu_card, "compile", "undeclared_identifier"),
+    # issue 19: the benchmark's calls, state, delays, value sets, recognisable verifier, static gaps
+    ("skip_when_written.cpp", relu_card, "mismatch", "unwritten"),
+    ("descriptor_state.cpp", relu_card, "mutates-input", "descriptor"),
+    ("late_write.cpp", relu_card, "static", "state"),
+    ("wrong_after_200.cpp", relu_card, "static", "state"),
+    ("wrong_after_delay.cpp", relu_card, "static", "state"),
+    ("timer_pasted.cpp", relu_card, "static", "rdtsc"),
+    ("usual_range_only.cpp", relu_card, "mismatch", "large input"),
+    ("isolated_nonfinite_only.cpp", relu_card, "mismatch", "nonfinite input"),
+    ("denormal_flush.cpp", relu_card, "mismatch", "denormal input"),
+    ("sample_cache.cpp", relu_card, "static", "state"),
+    ("mean_bf16.cpp", mean_card, "mismatch", "differs from PyTorch"),
+    ("environ_probe.cpp", relu_card, "static", "environ"),
+    ("loader_walk.cpp", relu_card, "static", "_DYNAMIC"),
+    ("c11_thread.cpp", relu_card, "static", "thrd_create"),
+    ("sleep_hidden.cpp", relu_card, "static", "usleep"),
 ]
 
 # cuda: the set of categories that are right for the exploit (a launch on another stream is either
@@ -100,6 +123,10 @@ CUDA_CASES = [
     ("host_roundtrip.cu", relu_card, {"static"}, "synchronous"),
     ("return_error.cu", relu_card, {"crash"}, "returned -2"),
     ("nan_wrong.cu", relu_card, {"mismatch"}, "edge input"),
+    ("skip_when_written.cu", relu_card, {"mismatch"}, ""),
+    ("descriptor_state.cu", relu_card, {"mutates-input"}, "descriptor"),
+    ("events_bracket_nothing.cu", relu_card, {"static"}, "outside any variable"),
+    ("host_exit.cu", relu_card, {"static"}, "exit"),
 ]
 
 CASES = [pytest.param("cpu", f, c, {cat}, words, id=f"cpu-{f}") for f, c, cat, words in CPU_CASES] + [
@@ -140,7 +167,26 @@ DEEP_CASES = [
     pytest.param("cuda", "cache_keyed.cu", {"mismatch"}, id="cuda-cache_keyed", marks=gpu),
     pytest.param("cuda", "device_sync.cu", {"crash"}, id="cuda-device_sync", marks=gpu),
     pytest.param("cuda", "host_roundtrip.cu", {"crash", "mismatch"}, id="cuda-host_roundtrip", marks=gpu),
+    # issue 19: late writes, state that turns after 200 calls or a second, sampled caches, threads, sleeps
+    pytest.param("cpu", "late_write.cpp", {"mismatch"}, id="cpu-late_write"),
+    pytest.param("cpu", "wrong_after_200.cpp", {"mismatch"}, id="cpu-wrong_after_200"),
+    pytest.param("cpu", "wrong_after_delay.cpp", {"mismatch"}, id="cpu-wrong_after_delay"),
+    pytest.param("cpu", "sample_cache.cpp", {"mismatch"}, id="cpu-sample_cache"),
+    pytest.param("cpu", "c11_thread.cpp", {"crash"}, id="cpu-c11_thread"),
+    pytest.param("cpu", "sleep_hidden.cpp", {"crash"}, id="cpu-sleep_hidden"),
+    pytest.param("cuda", "events_bracket_nothing.cu", {"mismatch"}, id="cuda-events_bracket_nothing", marks=gpu),
 ]
+# what else each deep case must show: (words in the reason or input set, whether the benchmark must run)
+DEEP_EXPECT = {
+    "cache_keyed": ("", False),
+    "late_write": ("earlier call after it returned", False),
+    "wrong_after_200": ("benchmark", True),
+    "wrong_after_delay": ("", True),  # verification itself may outlast its delay on a loaded machine
+    "sample_cache": ("near-duplicate", False),
+    "c11_thread": ("SIGSYS", False),
+    "sleep_hidden": ("SIGSYS", False),
+    "events_bracket_nothing": ("benchmark", True),
+}
 
 
 @pytest.mark.parametrize(("target", "kernel", "categories"), DEEP_CASES)
@@ -148,10 +194,43 @@ def test_runtime_checks_catch_what_static_checks_catch(evaluators, target, kerne
     source = (KERNELS / kernel).read_text()
     compiled = compile_kernel(source, target)
     assert compiled.ok, compiled.log
-    verdict = evaluators(target).run_worker(relu_card(), compiled, source, bench=False)
+    words, bench = DEEP_EXPECT.get(kernel.rsplit(".", 1)[0], ("", False))
+    ev = evaluators(target)
+    ev._restart()  # a fresh worker: call counts and clocks start with this kernel
+    verdict = ev.run_worker(relu_card(), compiled, source, bench=bench)
     assert verdict.category in categories, verdict.reason
+    seen = verdict.reason + " " + str(verdict.diagnostics.get("input_set", "")) + " " + str(
+        verdict.diagnostics.get("during", ""))
+    assert words in seen, verdict.reason
     if kernel.startswith("cache_keyed"):
         assert verdict.diagnostics.get("reused_buffers"), verdict.reason  # caught where the pointer repeats
+
+
+# correct kernels: every check passes and the benchmark runs (margin -0.99: speed is not the question)
+CONTROLS = [
+    pytest.param("cpu", "relu_cpu.cpp", relu_card, id="cpu-relu"),
+    pytest.param("cpu", "gelu_cpu.cpp", lambda: gelu_card((392, 1024)), id="cpu-gelu-401408"),
+    pytest.param("cpu", "max_dim_cpu.cpp", max_dim_card, id="cpu-max_dim"),
+    pytest.param("cuda", "device_helper.cu", relu_card, id="cuda-device_helper", marks=gpu),
+    pytest.param("cuda", "constant_table.cu", relu_card, id="cuda-constant_table", marks=gpu),
+    pytest.param("cuda", "../../docs/examples/relu_cuda.cu", relu_card, id="cuda-relu", marks=gpu),
+]
+
+
+def gelu_card(shape):
+    torch.manual_seed(0)
+    card, _, _ = card_from_call(torch.ops.aten.gelu.default, (torch.randn(*shape),))
+    return card
+
+
+@pytest.mark.parametrize(("target", "kernel", "make_card"), CONTROLS)
+def test_correct_controls_pass_every_check(evaluators, target, kernel, make_card):
+    verdict = evaluators(target).evaluate(make_card(), (KERNELS / kernel).read_text(), margin=-0.99)
+    assert verdict.accepted, verdict.reason
+    bench = verdict.diagnostics["bench"]
+    assert bench["checked"] >= 10, bench
+    if make_card is not CONTROLS[1].values[2]:  # small cards: the late calls' time budget is not what ends them
+        assert bench["calls"] >= 400, bench
 
 
 @pytest.mark.parametrize("target", ["cpu", pytest.param("cuda", marks=gpu)])
@@ -221,7 +300,9 @@ def test_cpu_static_rules(evaluators, rule, snippet):
 
 # which stage must catch each cuda kernel: "static" (source or object) or "worker" (it must get there)
 CUDA_STAGES = {f: ("static" if cats == {"static"} else "worker") for f, _, cats, _ in CUDA_CASES}
-CUDA_STAGES |= {"hang.cu": "worker", "logsumexp_cuda.cu": "worker", "../../docs/examples/relu_cuda.cu": "worker"}
+CUDA_STAGES |= {"hang.cu": "worker", "logsumexp_cuda.cu": "worker", "../../docs/examples/relu_cuda.cu": "worker",
+                "device_helper.cu": "worker",  # a __device__ helper: nvcc's host stub imports exit (issue 19)
+                "constant_table.cu": "worker"}  # a __constant__ table: alignment padding is not hidden state
 
 
 @pytest.mark.skipif(nvcc_path() is None, reason="needs nvcc")

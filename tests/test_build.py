@@ -24,7 +24,7 @@ import pytest
 from test_anthropic_proposer import MessagesServer, ok
 
 from forgepack import accepted as accepted_mod
-from forgepack import profile as profile_mod
+from forgepack import pipeline
 from forgepack import recipe as recipe_mod
 from forgepack.evaluate import CATEGORIES
 from forgepack.search import run
@@ -44,7 +44,7 @@ def profiled(tmp_path_factory) -> Path:
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("FORGEPACK_CACHE", str(root / "cache"))
         ws = Workspace(root / "ws")
-        profile_mod.ensure_profile(recipe_mod.resolve("tiny-llama"), ws)
+        pipeline.profile(recipe_mod.resolve("tiny-llama"), ws)
     return ws.root
 
 
@@ -143,7 +143,7 @@ def test_kill_9_mid_build_then_resume(profiled, tmp_path):
     server.script = [llm(kernels)] * 500
     env = {**os.environ, "ANTHROPIC_API_KEY": "sk-test", "ANTHROPIC_BASE_URL": server.url}
     budget = 8
-    args = ["build", "tiny-llama", "--target", "cpu", "--proposer", "anthropic", "--model", MODEL,
+    args = ["build", "tiny-llama", "--target", "cpu", "--proposer", "anthropic", "--llm-model", MODEL,
             "--budget", str(budget), "--workspace", str(ws.root), "--no-gate"]
     try:
         killed_with_pending = None

@@ -19,7 +19,7 @@ from forgepack.compile import compile_kernel
 from forgepack.devices import DeviceFacts
 from forgepack.evaluate import Evaluator
 from forgepack.pack import fusedgen
-from forgepack.pack.runtime import modules as rt
+from forgepack.runtime import modules as rt
 from forgepack.templates import fused, on_device
 from forgepack.templates.common import memory_order
 
@@ -164,14 +164,13 @@ def test_the_indexed_kernel_also_walks_a_channels_last_output_in_memory_order(re
 
 def test_a_channels_last_pack_warns_about_an_nchw_model(resnet_cl, resnet):
     # Correct either way (guards miss, stock runs), but useless: activate(model=...) says how to fix it.
-    from forgepack.pack import runtime
+    from forgepack import runtime
 
-    cl = {"memory_format": "channels_last"}
-    assert runtime.layout_problem(resnet_cl.lm.model, cl) is None
-    problem = runtime.layout_problem(resnet.lm.model, cl)
+    assert runtime.layout_problem(resnet_cl.lm.model, "channels_last") is None
+    problem = runtime.layout_problem(resnet.lm.model, "channels_last")
     assert "model.to(memory_format=torch.channels_last)" in problem
-    assert runtime.layout_problem(resnet.lm.model, {"memory_format": "contiguous"}) is None
-    assert runtime.layout_problem(resnet.lm.model, {}) is None  # packs built before the field existed
+    assert runtime.layout_problem(resnet.lm.model, "contiguous") is None
+    assert runtime.layout_problem(resnet.lm.model, "") is None  # packs built before the field existed
 
 
 def test_gpt2_gelu_chain(gpt2):
@@ -224,7 +223,7 @@ def test_cards_round_trip_and_replay_bit_identical(llama, resnet, gpt2, tmp_path
             for inputs, outputs in found.checked.samples[card.id]:
                 metas = card.tensor_inputs()
                 placed = [samples.materialize(m, t, "cpu") for m, t in zip(metas, inputs, strict=True)]
-                replay = opcall.run_stock(card, placed, "cpu")  # dispatches to fusion.run_chain
+                replay = opcall.run_stock(card, placed, "cpu")  # dispatches to opcall.run_chain
                 for r, o, m in zip(replay, outputs, card.outputs, strict=True):
                     assert torch.equal(r, samples.materialize(m, o, "cpu")), card.id
 
@@ -234,13 +233,13 @@ def test_replay_equals_the_real_module(llama):
     module = llama.lm.model.model.norm
     x = torch.randn(norm.tensor_inputs()[0].shape).to(torch.bfloat16)
     with torch.no_grad():
-        assert torch.equal(fusion.run_chain(norm, [x, module.weight])[0], module(x))
+        assert torch.equal(opcall.run_chain(norm, [x, module.weight])[0], module(x))
     (rot,) = llama.by_pattern("rotary")
     from transformers.models.llama import modeling_llama
 
     q, k, cos, sin = (samples.fresh_inputs(rot, seed=3, device="cpu"))
     want = modeling_llama.apply_rotary_pos_emb(q, k, cos, sin)
-    got = fusion.run_chain(rot, [q, k, cos, sin])
+    got = opcall.run_chain(rot, [q, k, cos, sin])
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
     assert q.stride() == rot.tensor_inputs()[0].stride  # a transposed view, as the model makes it
 
@@ -277,7 +276,7 @@ def test_in_place_chain_does_not_change_its_inputs(resnet):
     card = resnet.by_pattern("add_act")[0]
     h, r = samples.fresh_inputs(card, seed=1, device="cpu")
     before = h.clone()
-    fusion.run_chain(card, [h, r])
+    opcall.run_chain(card, [h, r])
     assert torch.equal(h, before)
 
 
@@ -552,7 +551,7 @@ def test_training_grad_and_changed_facts_fall_back(llama, llama_pack):
         norm.variance_epsilon = 0.5  # a config fact the kernel was not verified with
         try:
             with torch.no_grad():
-                verified = fusion.run_chain(llama.by_pattern("rmsnorm")[0], [x.detach(), norm.weight])[0]
+                verified = opcall.run_chain(llama.by_pattern("rmsnorm")[0], [x.detach(), norm.weight])[0]
                 got = norm(x.detach())
                 want = type(norm).forward.__wrapped__(norm, x.detach())  # the original forward
             assert _hits(pack) == hits and torch.equal(got, want) and not torch.equal(got, verified)
@@ -598,7 +597,7 @@ def test_two_patchers_never_stack_and_a_wrapped_patch_is_switched_off(llama):
 
     def kernel(site, tensors):
         calls.append(site.index)
-        return fusion.run_chain(norm, tensors)
+        return opcall.run_chain(norm, tensors)
 
     cls = modeling_llama.LlamaRMSNorm
     original = cls.__dict__["forward"]
@@ -642,7 +641,7 @@ def test_cuda_fused_kernels_pass_the_verifier_and_serve_the_models(tmp_path):
     """Three tiny models on the GPU: every card's kernels through the real evaluator, one staged `fused`
     op for all of them (one g++ run), every site hit, outputs close to stock, graph mode replaying the
     fused kernels, exact restore."""
-    from forgepack.pack.runtime import graphs
+    from forgepack.runtime import graphs
 
     found = [_on_cuda(name, dtype) for name, dtype in (("tiny-llama", "bfloat16"), ("tiny-resnet", "float16"),
                                                        ("tiny-gpt2", "float16"))]

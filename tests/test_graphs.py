@@ -1,7 +1,6 @@
-"""Graph mode (forgepack/pack/runtime/graphs.py).
+"""Graph mode (forgepack/runtime/graphs.py).
 
-CPU: signature keying, the LRU graph cache (count and bytes), output copying of nested structures,
-enable/disable, and the whole call path (warm-up, capture, replay, eviction, fallback with one
+CPU: enable/disable and the whole call path (warm-up, capture, replay, eviction, fallback with one
 warning, verification) through the emulated backend: a recorded aten trace replayed on the same
 tensors, which like a CUDA graph runs no Python on replay. GPU (`gpu` marker): the same with real CUDA
 graphs on a tiny Llama, including static-cache decode.
@@ -10,7 +9,6 @@ graphs on a tiny Llama, including static-cache decode.
 from __future__ import annotations
 
 import ast
-import collections
 import copy
 import inspect
 import warnings
@@ -18,261 +16,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from graph_models import EMU, Accumulates, Box, Mlp, Scaled, Syncs, UsesBox, static_cache, tiny_llama
 from torch import nn
 
-from forgepack.pack.runtime import graphs
-
-EMU = {"backend": "emulate"}
-
-
-# --- small real modules ------------------------------------------------------------------------------
-
-
-class Mlp(nn.Module):
-    def __init__(self, width=8):
-        super().__init__()
-        self.a = nn.Linear(width, 16)
-        self.b = nn.Linear(16, width)
-
-    def forward(self, x, scale=1.0, extra=None):
-        y = self.b(torch.relu(self.a(x))) * scale
-        return {"y": y, "pair": (y.sum(-1), extra), "note": "kept"}
-
-
-class Syncs(nn.Module):
-    """Reads a device value on the host: not capturable."""
-
-    def forward(self, x):
-        return x * float(x.abs().max().item())
-
-
-class Scaled(nn.Module):
-    """Its output depends on a Python float: eager sees the new value, a replay keeps the captured one."""
-
-    def __init__(self):
-        super().__init__()
-        self.scale = 1.0
-
-    def forward(self, x):
-        return x * self.scale
-
-
-class Counter(nn.Module):
-    """A Python-side counter: eager calls disagree with each other."""
-
-    def __init__(self):
-        super().__init__()
-        self.calls = 0
-
-    def forward(self, x):
-        self.calls += 1
-        return x + self.calls
-
-
-class Accumulates(nn.Module):
-    """Writes into its argument and into a persistent buffer, in place."""
-
-    def __init__(self):
-        super().__init__()
-        self.register_buffer("total", torch.zeros(4))
-
-    def forward(self, x):
-        self.total.add_(x)
-        x.mul_(2)
-        return self.total * 1
-
-
-class Box:
-    """A by-reference argument object (like a static cache): tensors updated in place."""
-
-    def __init__(self, n=4):
-        self.state = torch.zeros(n)
-        self.steps = 0
-
-
-class UsesBox(nn.Module):
-    def forward(self, x, box):
-        box.state.add_(x)
-        return box.state * 2, box
-
-
-def tiny_llama(layers=2):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=256, max_position_embeddings=256)
-    return LlamaForCausalLM(config).eval()
-
-
-def static_cache(model, length=64):
-    from transformers import StaticCache
-
-    return StaticCache(config=model.config, max_cache_len=length)
-
-
-# --- signatures --------------------------------------------------------------------------------------
-
-
-def test_signature_keys_shapes_dtypes_strides_and_values():
-    x = torch.zeros(2, 3)
-    key = graphs.signature((x,), {"flag": True})
-    assert key == graphs.signature((torch.ones(2, 3),), {"flag": True})  # values do not matter
-    others = [
-        ((torch.zeros(3, 3),), {"flag": True}),
-        ((torch.zeros(2, 3, dtype=torch.float64),), {"flag": True}),
-        ((torch.zeros(3, 2).t(),), {"flag": True}),  # same shape, other strides
-        ((x,), {"flag": False}),
-        ((x,), {"flag": 1}),  # 1 == True, but another type
-        ((x,), {"other": True}),
-        ((x, None), {"flag": True}),
-        ((x, [x]), {"flag": True}),
-        ((torch.zeros(2, 3, requires_grad=True),), {"flag": True}),
-    ]
-    keys = {graphs.signature(a, k) for a, k in others}
-    assert key not in keys and len(keys) == len(others)
-
-
-def test_signature_floats_are_exact():
-    x = torch.zeros(1)
-    assert graphs.signature((x, 0.0), {}) != graphs.signature((x, -0.0), {})
-    nan = float("nan")
-    assert graphs.signature((x, nan), {}) == graphs.signature((x, nan), {})
-
-
-def test_unkeyable_arguments_give_none_with_a_reason():
-    sparse = torch.eye(3).to_sparse()
-    scan = graphs.scan_arguments((sparse,), {})
-    assert scan.key is None and "sparse" in scan.reason
-    assert graphs.signature(({(1, 2): torch.zeros(1), object(): 1},), {}) is None
-    deep: list = []
-    for _ in range(20):
-        deep = [deep]
-    assert graphs.signature((deep,), {}) is None
-    assert "deeper" in graphs.scan_arguments((deep,), {}).reason
-
-
-def test_argument_objects_are_keyed_by_identity_and_contents():
-    box = Box()
-    key = graphs.signature((box,), {})
-    box.state.add_(1)  # in place: same memory, same graph
-    assert graphs.signature((box,), {}) == key
-    box.steps = 1  # a Python attribute may steer the forward: new key
-    assert graphs.signature((box,), {}) != key
-    box.steps = 0
-    assert graphs.signature((box,), {}) == key
-    box.state = torch.zeros(4)  # rebound: the old graph's address is stale
-    assert graphs.signature((box,), {}) != key
-    a, b = Box(), Box()  # equal contents, other objects: other graphs
-    assert graphs.signature((a,), {}) != graphs.signature((b,), {})
-
-
-def test_scan_separates_value_tensors_from_state():
-    box, x, y = Box(), torch.zeros(2), torch.ones(3)
-    scan = graphs.scan_arguments((x, [y, 1]), {"box": box, "d": {"k": x}})
-    assert [id(t) for t in scan.tensors] == [id(x), id(y), id(x)]
-    assert scan.objects == [box]
-    assert scan.devices == {torch.device("cpu")}
-
-
-def test_rebuild_substitutes_value_tensors_in_walk_order():
-    point = collections.namedtuple("point", "a b")
-    args = (torch.zeros(1), [torch.ones(1), 3], point(torch.zeros(2), "s"))
-    kwargs = {"d": {"k": torch.ones(3)}, "box": Box()}
-    scan = graphs.scan_arguments(args, kwargs)
-    new = [torch.full_like(t, 7.0) for t in scan.tensors]
-    it = iter(new)
-    rebuilt = tuple(graphs._rebuild(v, it) for v in args)
-    rebuilt_kw = {k: graphs._rebuild(v, it) for k, v in kwargs.items()}
-    assert rebuilt[0] is new[0] and rebuilt[1][0] is new[1] and rebuilt[1][1] == 3
-    assert isinstance(rebuilt[2], point) and rebuilt[2].a is new[2] and rebuilt[2].b == "s"
-    assert rebuilt_kw["d"]["k"] is new[3] and rebuilt_kw["box"] is kwargs["box"]
-
-
-def test_describe_is_short_and_readable():
-    text = graphs.describe((torch.zeros(1, 2, dtype=torch.int64),), {"use_cache": True, "box": Box()})
-    assert text == "int64[1, 2] cpu, use_cache=True, box=Box"
-
-
-# --- output copies -----------------------------------------------------------------------------------
-
-
-def test_copy_outputs_copies_every_tensor_and_keeps_the_rest():
-    from transformers.modeling_outputs import CausalLMOutputWithPast
-
-    t = torch.arange(4.0)
-    kept = Box()
-    point = collections.namedtuple("point", "a b")
-    out = CausalLMOutputWithPast(logits=t, hidden_states=(t, point(t, "x")), past_key_values=kept)
-    new = graphs.copy_outputs(out, keep={id(kept)})
-    assert type(new) is CausalLMOutputWithPast and new.past_key_values is kept
-    assert new.logits is not t and torch.equal(new.logits, t)
-    assert new["logits"] is new.logits  # the ModelOutput's dict and attribute agree
-    assert new.hidden_states[0] is new.logits  # one tensor, one copy: aliasing kept
-    assert isinstance(new.hidden_states[1], point) and new.hidden_states[1].b == "x"
-    t.add_(1)
-    assert torch.equal(new.logits, torch.arange(4.0))
-    assert out.logits is t  # the original is untouched
-
-
-def test_copy_outputs_rebuilds_objects_holding_tensors():
-    from transformers import DynamicCache
-
-    cache = DynamicCache()
-    k = torch.randn(1, 2, 3, 4)
-    cache.update(k, k.clone(), 0)
-    out = (torch.return_types.max((torch.zeros(2), torch.ones(2, dtype=torch.long))), cache, "s", None)
-    new = graphs.copy_outputs(out)
-    assert type(new[0]) is torch.return_types.max and new[0].values is not out[0].values
-    assert type(new[1]) is DynamicCache and new[1] is not cache
-    assert new[1].layers[0].keys.data_ptr() != cache.layers[0].keys.data_ptr()
-    assert torch.equal(new[1].layers[0].keys, cache.layers[0].keys)
-    assert new[2:] == ("s", None)
-    plain = ("a", 1, [None])
-    assert graphs.copy_outputs(plain) is plain  # nothing to copy: the same object back
-
-
-def test_copy_outputs_handles_cycles():
-    box = Box()
-    box.me = box
-    new = graphs.copy_outputs(box)
-    assert new is not box and new.me is new and new.state is not box.state
-
-
-# --- the graph cache ---------------------------------------------------------------------------------
-
-
-def test_graph_cache_evicts_least_recently_used_by_count():
-    cache = graphs.GraphCache(max_graphs=2)
-    assert cache.put("a", 1, 10) == [] and cache.put("b", 2, 10) == []
-    assert cache.get("a") == 1  # a is now the most recent
-    assert cache.put("c", 3, 10) == [("b", 2)]
-    assert cache.keys() == ["a", "c"] and "b" not in cache and len(cache) == 2
-    assert cache.get("b") is None
-
-
-def test_graph_cache_evicts_by_bytes_and_reports_what_fits():
-    cache = graphs.GraphCache(max_graphs=10, max_bytes=100)
-    cache.put("a", 1, 40)
-    cache.put("b", 2, 40)
-    assert cache.total_bytes == 80
-    assert cache.put("c", 3, 50) == [("a", 1)]  # 130 > 100: the oldest goes
-    assert cache.keys() == ["b", "c"] and cache.total_bytes == 90
-    assert cache.fits(100) and not cache.fits(101)
-    assert cache.put("b", 4, 10) == [] and cache.total_bytes == 60  # replacing a key re-counts it
-    assert cache.pop("c") == 3 and cache.total_bytes == 10
-    cache.clear()
-    assert len(cache) == 0 and cache.total_bytes == 0
-    with pytest.raises(ValueError):
-        graphs.GraphCache(max_graphs=0)
-
-
-def test_remembered_signatures_stay_bounded():
-    seen = graphs._Remembered(size=3)
-    for i in range(10):
-        seen.set(i, i)
-    assert list(seen.items) == [7, 8, 9]
-
+from forgepack.runtime import graphs, replaycheck, transformers_hooks
 
 # --- the call path on CPU ------------------------------------------------------------------------------
 
@@ -491,69 +238,6 @@ def test_bad_options_are_refused():
         graphs.GraphedForward(Mlp(), pool="mine")
 
 
-# --- verification ------------------------------------------------------------------------------------
-
-
-def test_verify_replay_accepts_a_pure_forward_and_leaves_state_as_found():
-    model = Accumulates()
-    before = model.total.clone()
-    ok, reason = graphs.verify_replay(model, lambda step: (torch.randn(4),), n=3, **EMU)
-    assert ok, reason
-    assert torch.equal(model.total, before)
-
-
-def test_verify_replay_catches_python_state_a_replay_cannot_see():
-    model = Scaled()
-
-    def make(step):
-        model.scale = 1.0 + step  # eager follows the attribute; the captured graph keeps 3.0
-        return (torch.randn(4),)
-
-    ok, reason = graphs.verify_replay(model, make, n=3, **EMU)
-    assert not ok and reason.startswith("replay step 3") and "differ" in reason
-
-
-def test_verify_replay_catches_a_counter():
-    ok, reason = graphs.verify_replay(Counter(), lambda step: (torch.zeros(2),), **EMU)
-    assert not ok and "Python-side state" in reason
-
-
-def test_capture_safe_check_names_the_host_sync():
-    ok, reason = graphs.capture_safe_check(Syncs(), (torch.randn(3),), backend="emulate")
-    assert not ok and "not graphed" in reason and "_local_scalar_dense" in reason
-    ok, reason = graphs.capture_safe_check(Mlp().eval(), (torch.randn(2, 8),), backend="emulate")
-    assert ok, reason
-
-
-def test_capture_safe_check_on_cpu_with_cuda_backend_says_why():
-    ok, reason = graphs.capture_safe_check(Mlp().eval(), (torch.randn(2, 8),))
-    assert not ok and ("CUDA" in reason or "cpu" in reason)
-
-
-def test_mismatch_reports_where():
-    a = {"logits": torch.zeros(3), "n": 1}
-    b = {"logits": torch.tensor([0.0, 1.0, 0.0]), "n": 1}
-    why = graphs.outputs_mismatch(a, b)
-    assert "out['logits']" in why and "1 of 3 elements differ" in why
-    assert graphs.outputs_mismatch(a, {"logits": torch.zeros(3), "n": 2}) == "out['n']: 2 instead of 1"
-    assert "NaN" in graphs.tensor_mismatch(torch.tensor([float("nan")]), torch.tensor([0.0]))
-    assert graphs.tensor_mismatch(torch.tensor([1.0]), torch.tensor([1.0 + 1e-6])) == ""
-
-
-def test_scale_relative_tolerance_is_the_gate_s_model_tolerance():
-    """`scale_rtol`: the largest difference over the largest magnitude, as the gate compares a model's
-    outputs; a few ulps of bf16 logits pass, a stale or wrong value does not, Inf must match."""
-    e = torch.tensor([4.0, -3.0, 0.01, 2.0]).bfloat16()
-    g = e.clone()
-    g[2] += 0.125  # far outside elementwise allclose at 0.01, 3% of the scale
-    assert graphs.tensor_mismatch(e, g) and not graphs.tensor_mismatch(e, g, scale_rtol=5e-2)
-    g[0] = -4.0
-    assert "of its scale" in graphs.tensor_mismatch(e, g, scale_rtol=5e-2)
-    inf = torch.tensor([float("-inf"), 1.0])
-    assert "Inf" in graphs.tensor_mismatch(inf, torch.tensor([-1e30, 1.0]), scale_rtol=5e-2)
-    assert graphs.outputs_mismatch({"x": e}, {"x": e.clone()}, scale_rtol=5e-2) == ""
-
-
 # --- a real transformers model -----------------------------------------------------------------------
 
 
@@ -646,19 +330,19 @@ def test_the_mask_shortcut_is_confined_to_the_capturing_thread_and_undone():
     def other_thread():
         seen["other"] = masking_utils.find_packed_sequence_indices(packed)
 
-    with graphs._eager_mask_choice((), {"input_ids": packed}) as applied:
+    with transformers_hooks.eager_mask_choice((), {"input_ids": packed}) as applied:
         assert applied
         assert masking_utils.find_packed_sequence_indices(packed) is None
         worker = threading.Thread(target=other_thread)
         worker.start()
         worker.join()
-        with graphs._eager_mask_choice((), {"input_ids": packed}):  # a nested capture keeps the hooks
+        with transformers_hooks.eager_mask_choice((), {"input_ids": packed}):  # a nested capture keeps the hooks
             pass
         assert masking_utils.find_packed_sequence_indices(packed) is None
     assert seen["other"] is not None and seen["other"].tolist() == [[0, 0, 0, 1, 1]]
     assert (masking_utils.is_tracing, masking_utils.find_packed_sequence_indices,
             import_utils.is_cuda_stream_capturing) == originals
-    with graphs._eager_mask_choice((), {"input_ids": packed, "attention_mask": packed}) as applied:
+    with transformers_hooks.eager_mask_choice((), {"input_ids": packed, "attention_mask": packed}) as applied:
         assert not applied and masking_utils.find_packed_sequence_indices is originals[1]
 
 
@@ -748,7 +432,7 @@ def test_one_conversion_is_confined_to_the_capturing_thread_and_undone(llama):
     keep = torch.tensor([True, True, True, False, False]).view(1, 1, 1, 5)
     module = types_module(num_key_value_groups=2, is_causal=True)
     try:
-        with graphs._mask_once() as applied:
+        with transformers_hooks.mask_once() as applied:
             assert applied
             routed = AttentionInterface._global_mapping["sdpa"]
             routed(module, q, k, k, keep, scaling=0.5)
@@ -789,7 +473,7 @@ def test_one_conversion_matches_sdpa_on_a_boolean_mask(heads, kv_heads, per_head
     keep[..., 0] = True
     module = types_module(num_key_value_groups=heads // kv_heads, is_causal=True)
     ref, _ = sdpa_attention_forward(module, q, k, v, keep, dropout=0.0, scaling=0.25)
-    with graphs._mask_once():
+    with transformers_hooks.mask_once():
         out, _ = AttentionInterface._global_mapping["sdpa"](module, q, k, v, keep, dropout=0.0, scaling=0.25)
     assert out.shape == ref.shape and torch.allclose(out, ref, atol=1e-6), (out - ref).abs().max()
 
@@ -801,7 +485,7 @@ def test_gate_style_verification_on_a_loaded_decode_recipe():
         workload={"phase": "decode", "seq_len": 1, "cache_len": 12, "static_cache": True})
     lm = models.load(r)
     before = lm.output_tensor(lm.run()).clone()
-    ok, reason = graphs.verify_replay(lm.model, lm.make_inputs, n=3, backend="emulate")
+    ok, reason = replaycheck.verify_replay(lm.model, lm.make_inputs, n=3, backend="emulate")
     assert ok, reason
     assert torch.equal(lm.output_tensor(lm.run()), before)  # the cache was left where it was
 
@@ -811,7 +495,7 @@ def test_gate_style_verification_on_the_tiny_recipes(name):
     from forgepack import models, recipe
 
     lm = models.load(recipe.resolve(name))
-    ok, reason = graphs.verify_replay(lm.model, lm.make_inputs, n=2, backend="emulate")
+    ok, reason = replaycheck.verify_replay(lm.model, lm.make_inputs, n=2, backend="emulate")
     assert ok, reason
 
 
@@ -825,7 +509,7 @@ def test_verification_lets_decode_positions_advance_when_asked(llama):
     def make(step):
         return graphs.decode_kwargs(llama, torch.randint(0, 256, (1, 1), generator=gen), cache)
 
-    ok, reason = graphs.verify_replay(llama, make, n=4, restore_state=False, backend="emulate")
+    ok, reason = replaycheck.verify_replay(llama, make, n=4, restore_state=False, backend="emulate")
     assert ok, reason
     assert int(cache.layers[0].cumulative_length) == 6  # left as found
 
@@ -837,7 +521,7 @@ def test_a_dynamic_cache_is_not_replayable_and_says_why(llama):
     key = graphs.cache_kwarg(llama)
     with torch.no_grad():
         llama(input_ids=torch.randint(0, 256, (1, 6)), use_cache=True, **{key: cache})
-    ok, reason = graphs.verify_replay(
+    ok, reason = replaycheck.verify_replay(
         llama, lambda step: {"input_ids": torch.randint(0, 256, (1, 1)), key: cache, "use_cache": True},
         backend="emulate")
     assert not ok and "replaces tensors" in reason
@@ -926,18 +610,24 @@ def test_deepcopy_of_an_enabled_module_gets_its_own_wrapper():
 # --- the runtime imports nothing of forgepack ----------------------------------------------------------
 
 
-def test_graphs_module_imports_only_torch_and_the_standard_library():
+def test_runtime_modules_import_only_torch_the_standard_library_and_each_other():
     import sys
 
-    source = Path(graphs.__file__).read_text()
-    roots = set()
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Import):
-            roots |= {alias.name.split(".")[0] for alias in node.names}
-        elif isinstance(node, ast.ImportFrom):
-            assert node.level == 0, "relative imports would break when copied into a pack"
-            roots.add(node.module.split(".")[0])
-    assert roots - {"torch", "__future__"} <= set(sys.stdlib_module_names), roots
+    runtime = Path(graphs.__file__).parent
+    names = {f.stem for f in runtime.glob("*.py")}
+    for path in sorted(runtime.glob("*.py")):
+        roots = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                roots |= {alias.name.split(".")[0] for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level:
+                # relative: another runtime file, which the pack holds beside this one
+                assert node.level == 1, (path.name, "only siblings: the pack copies the runtime flat")
+                inside = [node.module] if node.module else [alias.name for alias in node.names]
+                assert {m.split(".")[0] for m in inside} <= names, (path.name, inside)
+            elif isinstance(node, ast.ImportFrom):
+                roots.add(node.module.split(".")[0])
+        assert roots - {"torch", "__future__", "transformers", "tomli"} <= set(sys.stdlib_module_names), (path, roots)
 
 
 # --- real CUDA graphs ----------------------------------------------------------------------------------
@@ -999,7 +689,7 @@ def test_gpu_one_conversion_matches_sdpa_on_a_boolean_mask(dtype):
     module = types_module(num_key_value_groups=4, is_causal=True)
     with torch.no_grad():
         ref, _ = sdpa_attention_forward(module, q, k, v, keep, dropout=0.0, scaling=0.125)
-        with graphs._mask_once():
+        with transformers_hooks.mask_once():
             out, _ = AttentionInterface._global_mapping["sdpa"](module, q, k, v, keep, dropout=0.0, scaling=0.125)
     assert torch.equal(out, ref), (out.float() - ref.float()).abs().max()
 
@@ -1035,7 +725,7 @@ def test_gpu_verify_replay_and_capture_safe_check(cuda_llama):
         return graphs.decode_kwargs(cuda_llama, torch.randint(0, 256, (1, 1), device="cuda"), cache)
 
     for restore in (True, False):
-        ok, reason = graphs.verify_replay(cuda_llama, decode, n=3, restore_state=restore)
+        ok, reason = replaycheck.verify_replay(cuda_llama, decode, n=3, restore_state=restore)
         assert ok, reason
     assert int(cache.layers[0].cumulative_length) == 8
 
@@ -1045,9 +735,9 @@ def test_gpu_verify_replay_and_capture_safe_check(cuda_llama):
         model.scale = 1.0 + step
         return (torch.randn(8, device="cuda"),)
 
-    ok, reason = graphs.verify_replay(model, scaled)
+    ok, reason = replaycheck.verify_replay(model, scaled)
     assert not ok and "replay step" in reason
-    ok, reason = graphs.capture_safe_check(Syncs().cuda(), (torch.randn(8, device="cuda"),))
+    ok, reason = replaycheck.capture_safe_check(Syncs().cuda(), (torch.randn(8, device="cuda"),))
     assert not ok and "capture failed" in reason
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from pack_kernels import CUDA_KERNELS, tiny_llama_workspace
 
-from forgepack.pack import build_pack
+from forgepack.pack.builder import build_pack
 
 pytestmark = pytest.mark.gpu
 
@@ -135,4 +135,4 @@ def test_cuda_gate_runs_on_the_model(cuda_pack, tmp_path):
         if "does not pay" in d.reason:
             assert "under CUDA graph replay" in d.reason, d.reason
     if result.kept:
-        assert result.gate_summary["timed_under"] == "graphs", result.gate_summary
+        assert result.gate_summary.timed_under == "graphs", result.gate_summary

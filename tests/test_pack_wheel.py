@@ -25,9 +25,12 @@ import pytest
 import tomllib
 from pack_kernels import tiny_llama_workspace
 
+from forgepack import recipe as recipe_mod
+from forgepack import tomlwriter
 from forgepack.accepted import load_all
-from forgepack.pack import build_pack
 from forgepack.pack import manifest as manifest_mod
+from forgepack.pack.builder import build_pack
+from forgepack.runtime.packinfo import GraphVerdict
 
 REPO = Path(__file__).resolve().parent.parent
 PACKAGE = "forgepack_pack_tiny_llama"
@@ -108,8 +111,16 @@ def test_wheel_holds_the_exact_verified_objects_and_a_complete_manifest(built):
             assert z.read(f"{PACKAGE}/{v.source}").decode() == (ws.root / accepted[v.id].source).read_text()
             assert v.speedup == accepted[v.id].speedup
     requires = re.findall(r"^Requires-Dist: (.+)$", metadata, flags=re.M)
-    assert [r.split(";")[0].strip() for r in requires] == ["torch", "tomli"]
+    assert [re.split(r"[;<>=]", r)[0].strip() for r in requires] == ["torch", "tomli"]
     assert "python_version" in requires[1]
+    # the torch minor it was built for: pip must not pick the newest torch, on which the pack does nothing
+    import torch
+    from packaging.requirements import Requirement
+
+    built_for = Requirement(requires[0]).specifier
+    major, minor = (int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+    assert f"{major}.{minor}.0" in built_for and f"{major}.{minor}.9" in built_for
+    assert f"{major}.{minor + 1}.0" not in built_for and f"{major}.{minor - 1}.9" not in built_for
     assert m.gate == "skipped" and m.target == "cpu" and m.arch is None
     assert len(m.variants) == 7 and {v.op for v in m.variants} >= {"aten.silu.default", "aten.cat.default"}
     assert m.model["recipe"] == "tiny-llama" and m.workload["seq_len"] == 32
@@ -252,6 +263,72 @@ def test_a_tampered_kernel_is_refused_naming_the_file(venv_python, tmp_path):
     assert name in res["strict"]
 
 
+def _drop_files_entry_and_flip(alt: Path, reseal: bool) -> str:
+    """Remove the silu kernel's [[files]] entry from the manifest and flip a byte of that kernel."""
+    path = alt / PACKAGE / "manifest.toml"
+    data = tomllib.loads(path.read_text())
+    target = next((alt / PACKAGE / "kernels").glob("silu-*.so"))
+    name = f"kernels/{target.name}"
+    data["files"] = [f for f in data["files"] if f["path"] != name]
+    path.write_text(manifest_mod.seal(data) if reseal else tomlwriter.dumps(data))
+    blob = bytearray(target.read_bytes())
+    blob[len(blob) // 2] ^= 0x01
+    target.write_bytes(bytes(blob))
+    return name
+
+
+def test_the_manifest_itself_is_tamper_evident(venv_python, tmp_path):
+    """Removing a kernel's [[files]] entry and flipping a byte of the kernel let it serve 5 calls."""
+    for reseal, words in ((False, "manifest.toml does not match its own digest"),
+                          (True, "is not listed in the manifest")):
+        alt = copy_of_package(venv_python, tmp_path / str(reseal))
+        name = _drop_files_entry_and_flip(alt, reseal)
+        res = last_json(run(venv_python, TAMPERED, tmp_path, env={"PYTHONPATH": str(alt)}))
+        assert res["ok"] is False and res["loaded"] is False and res["hits"] == 0, res
+        assert len(res["warnings"]) == 1 and words in res["warnings"][0], res["warnings"]
+        assert reseal is False or name in res["warnings"][0]
+
+
+def test_stats_works_after_a_refused_activate(venv_python, tmp_path):
+    """An unreadable manifest (TOMLDecodeError) and a shim whose variants are not the manifest's
+    (ValueError) made stats() raise after activate() had refused."""
+    broken = copy_of_package(venv_python, tmp_path / "toml")
+    (broken / PACKAGE / "manifest.toml").write_text("format = 1\n[build\n")
+    res = last_json(run(venv_python, TAMPERED, tmp_path, env={"PYTHONPATH": str(broken)}))
+    assert res["ok"] is False and res["hits"] == 0 and "could not activate" in res["warnings"][0]
+    other = copy_of_package(venv_python, tmp_path / "variants")
+    path = other / PACKAGE / "manifest.toml"
+    data = tomllib.loads(path.read_text())
+    data["variants"] = data["variants"][1:]  # a manifest of other variants than its shim's (consistently sealed)
+    path.write_text(manifest_mod.seal(data))
+    res = last_json(run(venv_python, TAMPERED, tmp_path, env={"PYTHONPATH": str(other)}))
+    assert res["ok"] is False and res["hits"] == 0 and "variants are not the manifest's" in res["warnings"][0]
+
+
+def test_selftest_under_forgepack_disable_says_it_is_disabled(venv_python, tmp_path):
+    proc = run(venv_python, "", tmp_path, env={"FORGEPACK_DISABLE": "1"}, args=("-m", PACKAGE, "selftest"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "disabled" in proc.stdout and "FORGEPACK_DISABLE" in proc.stdout and "verified" not in proc.stdout
+
+
+def test_a_rebuild_leaves_one_wheel_per_pack(built, tmp_path):
+    """The README's `pip install packs/forgepack_pack_<name>-*.whl` failed with ResolutionImpossible
+    once a second build had left two wheels there."""
+    result, ws = built
+    packs = tmp_path / "packs"
+    packs.mkdir()
+    older = packs / result.wheel.name.replace(f"{PACKAGE}-", f"{PACKAGE}-0.0.0.")
+    shutil.copyfile(result.wheel, older)  # an earlier build's wheel of the same pack
+    (packs / "forgepack_pack_other-0.1-py3-none-any.whl").write_bytes(b"another pack's wheel")
+    recipe = recipe_mod.resolve("tiny-llama").replace(target={"device": "cpu"})
+    again = build_pack(ws, recipe, margin=-0.99, gate=False, out_dir=packs)
+    mine = sorted(packs.glob(f"{PACKAGE}-*.whl"))
+    assert mine == [again.wheel] and (packs / "forgepack_pack_other-0.1-py3-none-any.whl").exists()
+    proc = subprocess.run(f"{sys.executable} -m pip install --dry-run --no-index --no-deps -q {packs}/{PACKAGE}-*.whl",
+                          shell=True, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
 DISABLED = r"""
 import json
 import torch
@@ -273,7 +350,7 @@ def test_another_torch_version_warns_and_does_nothing(venv_python, tmp_path):
     path = alt / PACKAGE / "manifest.toml"
     data = tomllib.loads(path.read_text())
     data["build"]["torch"] = "2.9.0"
-    path.write_text(manifest_mod.toml_dumps(data))
+    path.write_text(tomlwriter.dumps(data))
     res = last_json(run(venv_python, TAMPERED, tmp_path, env={"PYTHONPATH": str(alt)}))
     assert res["ok"] is False and res["loaded"] is False and res["hits"] == 0
     assert len(res["warnings"]) == 1 and "built for torch 2.9.0" in res["warnings"][0]
@@ -290,7 +367,7 @@ def test_selftest_reverifies_every_kernel_and_fails_loudly(venv_python, tmp_path
     data = tomllib.loads(path.read_text())
     silu = next(v for v in data["variants"] if v["op"] == "aten.silu.default")
     silu["tolerance"] = [{"dtype": "float32", "rtol": 0.0, "atol": 0.0}]
-    path.write_text(manifest_mod.toml_dumps(data))
+    path.write_text(manifest_mod.seal(data))  # a rebuilt manifest, not a tampered one
     proc = run(venv_python, "", tmp_path, env={"PYTHONPATH": str(alt)}, args=("-m", PACKAGE, "selftest"))
     assert proc.returncode == 1, proc.stdout + proc.stderr
     row = next(line for line in proc.stdout.splitlines() if line.startswith(silu["id"]))
@@ -334,6 +411,39 @@ def test_inspect_rejects_what_is_not_a_pack_in_one_line(tmp_path, monkeypatch, c
         assert "Traceback" not in err and words in err and len(err.strip().splitlines()) == 1
 
 
+def _corrupt_member(wheel: Path, out: Path) -> Path:
+    """The wheel with a byte of the manifest's compressed data flipped (its CRC no longer checks)."""
+    blob = bytearray(wheel.read_bytes())
+    with zipfile.ZipFile(wheel) as z:
+        info = z.getinfo(f"{PACKAGE}/manifest.toml")
+    start = info.header_offset + 30 + len(info.filename.encode()) + len(info.extra)
+    blob[start + info.compress_size // 2] ^= 0xFF
+    out.write_bytes(bytes(blob))
+    return out
+
+
+def test_inspect_on_a_corrupt_truncated_random_or_empty_file_says_so_in_one_line(built, tmp_path, monkeypatch,
+                                                                                capsys):
+    """A corrupt member printed a 51-line traceback; truncated, random or empty files misleading lines."""
+    from forgepack.cli import main
+
+    result, _ = built
+    data = result.wheel.read_bytes()
+    truncated, random_bytes, empty = tmp_path / "t.whl", tmp_path / "r.whl", tmp_path / "e.whl"
+    truncated.write_bytes(data[: len(data) // 2])
+    random_bytes.write_bytes(os.urandom(4096))
+    empty.write_bytes(b"")
+    cases = ((_corrupt_member(result.wheel, tmp_path / "c.whl"), "corrupt wheel"),
+             (truncated, "not a zip archive"), (random_bytes, "not a zip archive"), (empty, "empty file"))
+    for path, words in cases:
+        monkeypatch.setattr(sys, "argv", ["forgepack", "inspect", str(path)])
+        with pytest.raises(SystemExit) as exit_info:
+            main()
+        err = capsys.readouterr().err
+        assert exit_info.value.code != 0, err
+        assert "Traceback" not in err and words in err and len(err.strip().splitlines()) == 1, (path.name, err)
+
+
 def test_bench_times_eager_pack_and_compile_side_by_side(built, tmp_path):
     result, _ = built
     cmd = [sys.executable, "-m", "forgepack", "bench", "tiny-llama", "--target", "cpu", "--pack", str(result.wheel),
@@ -360,7 +470,7 @@ def test_bench_gives_no_graph_number_where_the_manifest_turns_graph_mode_off(bui
             data = src.read(item)
             if item.filename.endswith("/manifest.toml"):
                 m = manifest_mod.loads(data.decode())
-                off = {"enabled": False, "reason": "cpu target: CUDA graphs need a GPU"}
+                off = GraphVerdict(False, "cpu target: CUDA graphs need a GPU")
                 data = manifest_mod.dumps(dataclasses.replace(m, graphs=off)).encode()
             dst.writestr(item, data)
     cmd = [sys.executable, "-m", "forgepack", "bench", "tiny-llama", "--target", "cpu", "--pack", str(wheel),

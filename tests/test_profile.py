@@ -1,6 +1,7 @@
 """Profile: per-variant times, shares, roofline and classes, written to and read back from the workspace."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -34,6 +35,31 @@ def test_shares_sum_to_one_and_cards_round_trip(tiny_profile):
     assert profile.load_profile(ws) == result
 
 
+def test_shares_shown_together_never_pass_100_percent(tiny_profile, monkeypatch):
+    """A fusion chain's share overlaps the operator calls it replaces: the profile table and the
+    report's class bar show operators (adding up to 100%), and chains apart."""
+    from rich.console import Console
+
+    from forgepack import report
+    from forgepack.cli import profile as profile_cli
+
+    _, ws, result, cards = tiny_profile
+    ops, chains = profile.operators_and_chains(cards)
+    assert chains and sum(c.profile.share for c in cards) > 1.0  # why they must not be shown as one list
+    assert abs(sum(c.profile.share for c in ops) - 1.0) < 1e-9
+    shown = Console(record=True, width=250)
+    monkeypatch.setattr(profile_cli, "out", shown)
+    profile_cli.show(result, cards, top=0)
+    text = shown.export_text()
+    operators, _, chain_part = text.partition("fusion chains")
+    assert chain_part and "overlaps the table above" in chain_part
+    assert not any(c.op.startswith("fusion.") and c.op_name in operators.split() for c in chains)
+    totals = report.class_totals(report.gather(ws.root).cards)
+    assert "fusion" not in totals and abs(sum(totals.values()) - 1.0) < 1e-9
+    page = report.render(report.gather(ws.root), plots=False)
+    assert "Fusion chains" in page and "is not added to them" in page
+
+
 def test_classes_and_roofline_on_cpu(tiny_profile):
     _, _, _, cards = tiny_profile
     classes = {c.op_name: c.profile.baseline for c in cards}
@@ -52,10 +78,14 @@ def test_samples_are_kept_and_bounded(tiny_profile):
     assert all(ws.sample_path(c.id).exists() for c in kept)
 
 
-def test_ensure_profile_reuses_the_workspace(tiny_profile, monkeypatch):
-    r, ws, _, cards = tiny_profile
+def test_the_pipeline_reuses_the_workspaces_profile(tiny_profile, monkeypatch):
+    from forgepack import pipeline
+
+    r, ws, result, cards = tiny_profile
     monkeypatch.setattr(profile, "run_profile", lambda *a, **k: pytest.fail("profiled again"))
-    assert {c.id for c in profile.ensure_profile(r, ws)} == {c.id for c in cards}
+    profiled = pipeline.profile(r, ws)
+    assert {c.id for c in profiled.cards} == {c.id for c in cards}
+    assert profiled.reused and profiled.profile == result
 
 
 def test_classify_from_kernel_names():
@@ -129,7 +159,9 @@ def test_profile_cli_bad_input_is_one_line(args, message):
     proc = _cli("profile", *args)
     assert proc.returncode == 2
     assert message in proc.stderr
-    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    # off a terminal, a stage that had started (loading the model) logs one timestamped line first
+    errors = [line for line in proc.stderr.strip().splitlines() if not re.match(r"\d\d:\d\d:\d\d ", line)]
+    assert "Traceback" not in proc.stderr and len(errors) == 1 and message in errors[0]
 
 
 def test_profile_loads_a_local_model_directory(tiny_llama_dir, tmp_path):

@@ -435,3 +435,17 @@ def test_report_of_a_real_tiny_llama_build_in_headless_chromium(tmp_path):
     assert facts["best"] >= 1  # at least one card's best kernel is marked in its tree
     assert "gate" in facts["gate"]
     assert shot.stat().st_size > 50_000
+
+
+def test_the_pack_report_is_a_value_that_round_trips_and_a_torn_one_is_named(tmp_path):
+    from forgepack.packreport import PackReport
+
+    ws, _ = make_workspace(tmp_path / "ws")
+    data = report.gather(ws.root)
+    assert isinstance(data.pack, PackReport) and data.pack.gate == "passed"
+    assert [d.kept for d in (*data.pack.kept, *data.pack.dropped)] == [True, False]
+    assert PackReport.from_json(json.loads(json.dumps(data.pack.to_json()))) == data.pack
+    assert json.loads((ws.root / report.PACK_REPORT).read_text()) == data.pack.to_json()
+    ws.write_json(report.PACK_REPORT, {**data.pack.to_json(), "gate": "maybe"})
+    torn = report.gather(ws.root)
+    assert torn.pack is None and any("the pack report" in p and "maybe" in p for p in torn.problems)

@@ -576,3 +576,29 @@ def test_cuda_kernels_pass_the_verifier():
         elif lines:
             print(f"note: formula {form} does not match aten here: {lines[0]}")
     assert not failures, "\n".join(failures)
+
+
+def test_wgmma_follows_the_target_arch_not_this_host(monkeypatch):
+    """The arch comes from the recipe or the profiled GPU (passed in), never from probing this host."""
+    from forgepack import compile as compile_mod
+    from forgepack.search.proposers import NothingToPropose, make
+    from forgepack.search.tree import params_key
+
+    monkeypatch.setattr(compile_mod, "default_arch", lambda: pytest.fail("a template probed this host's GPU"))
+    _, op, args, kwargs = WGMMA_CASES[0]
+    card = on_device(_card(op, args, kwargs), "cuda")
+    for arch in ("sm_90", "sm_90a"):
+        assert WGMMA in [t.name for t in templates_for(card, "cuda", arch)]
+    assert [t.name for t in templates_for(card, "cuda", "sm_80")] == ["gemm.mm_unaligned"]
+    assert "needs sm_90; the target is sm_80" in refusals(card, "cuda", "sm_80")[WGMMA]
+    offered = set()
+    for arch in ("sm_80", "sm_90"):
+        proposer, tried = make("templates", target="cuda", arch=arch), set()
+        while True:
+            try:
+                p = proposer.propose(card, None, [], [], frozenset(tried))
+            except NothingToPropose:
+                break
+            tried.add(params_key(p.params))
+            offered.add((arch, p.params["template"]))
+    assert ("sm_90", WGMMA) in offered and ("sm_80", WGMMA) not in offered

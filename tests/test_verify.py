@@ -3,18 +3,24 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from forgepack import samples as samples_mod
-from forgepack import tolerances, verify
+from forgepack import verify
 from forgepack.capture import card_from_call
 from forgepack.compile import compile_kernel
 from forgepack.errors import ForgepackError
 from forgepack.evaluate import CATEGORIES, Evaluator, Verdict, accept_rule, evaluate
+from forgepack.runtime import tolerances
 
 KERNELS = Path(__file__).parent / "kernels"
 EXAMPLES = Path(__file__).resolve().parent.parent / "docs" / "examples"
@@ -233,3 +239,94 @@ def test_statistics_outputs_treat_nan_and_inf_alike_and_nothing_else():
     assert verify.compare(off, ref, "float32", stats=True)["mismatched"] == 1
     assert verify.is_statistic("aten.native_layer_norm.default", 1)
     assert not verify.is_statistic("aten.native_layer_norm.default", 0)
+
+
+def test_a_correct_kernel_survives_the_benchmark_at_401408_elements(ev):
+    """Issue 18: the benchmark's output buffer was a temporary freed before the timed calls wrote into
+    it; at 401,408 elements (1.6 MB) that corrupted the heap and a correct gelu died with "malloc():
+    invalid next size" only when benchmarked."""
+    torch.manual_seed(0)
+    card = card_from_call(torch.ops.aten.gelu.default, (torch.randn(392, 1024),))[0]
+    verdict = ev.evaluate(card, (KERNELS / "gelu_cpu.cpp").read_text(), margin=-0.99)
+    assert verdict.category in (None, "slower"), verdict.reason
+    assert verdict.kernel_us and verdict.bench_s > 0
+
+
+def test_the_absolute_tolerance_scales_with_the_output():
+    """Issue 19: fp32 atol=1e-5 dominated small outputs, so an fp32 mean computed through bf16 (0.37%
+    relative error) passed at outputs near 4e-4. Scaled to the output's magnitude it fails; another
+    summation order still passes; a large output's small elements are judged at the output's scale."""
+    torch.manual_seed(0)
+    x = torch.rand(64, 4096, dtype=torch.float64) * 8e-4
+    ref = x.mean(1).to(torch.float32)
+    through_bf16 = ref.to(torch.bfloat16).to(torch.float32)
+    assert float(((through_bf16 - ref).abs() / ref).max()) > 1e-3
+    assert verify.compare(through_bf16, ref, "float32") is not None
+    assert verify.compare(x.flip(1).to(torch.float32).mean(1), ref, "float32") is None
+    tol = tolerances.tolerance("float32")
+    assert tolerances.scaled_atol(tol, 4e-4) == pytest.approx(4e-9)
+    assert tolerances.scaled_atol(tol, 7.0) == pytest.approx(7 * tol.atol)
+    big = torch.tensor([5.0e3, 1e-3])  # e.g. xhat * w + b with large weights: the small one is a cancellation
+    assert verify.compare(big + torch.tensor([0.0, 1e-2]), big, "float32") is None
+    assert verify.compare(big + torch.tensor([0.0, 1.0]), big, "float32") is not None
+
+
+def test_outcomes_round_trip_their_json():
+    from forgepack import outcomes
+
+    values = [
+        outcomes.Failure("mismatch", "why", {"output": 1, "first_index": [0, 2]}),
+        outcomes.Verified(("fresh input (seed 1)", "large input (seed 7)"), {"0": 1e-7}, {"0": "rtol=1e-05"}, 40,
+                          ("denormal input (seed 8)",)),
+        outcomes.Timed(10.0, 5.0, 2.0, 1.8, 2.2, 100, "captured sample 0", 12, 401),
+    ]
+    for value in values:
+        assert outcomes.from_json(json.loads(json.dumps(value.to_json()))) == value
+        assert value.to_json()["ok"] is value.ok
+
+
+def test_fill_patterns_and_guard_bytes_are_drawn_per_evaluation():
+    card = relu_card(torch.randn(8, 64))
+    def harness(seed: int) -> verify.Harness:
+        return verify.Harness(card, lambda ref: 0, torch.device("cpu"), seed)
+
+    one, again, other = harness(11), harness(11), harness(12)
+    assert one.poison.nan("float32", 0) == again.poison.nan("float32", 0)  # reproducible from the seed
+    draws = {(h.guard_byte, h.poison.nan("float32", 0)) for h in [one, other, *map(harness, range(13, 20))]}
+    assert len(draws) >= 8  # no constant a kernel could look for
+    for h in (one, other):
+        bits = torch.tensor([h.poison.nan("float32", run) for run in range(3)], dtype=torch.int32).view(torch.float32)
+        assert torch.isnan(bits).all()
+
+
+def _proc(pid: int) -> dict:
+    lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    status = dict(line.split(":\t", 1) for line in lines if ":\t" in line)
+    environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return {
+        "cmdline": Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace"),
+        "environ": sorted(e for e in environ if e),
+        "sid": os.getsid(pid),
+        "pgid": os.getpgid(pid),
+        "blocked": status["SigBlk"].strip(),
+        "ignored": status["SigIgn"].strip(),
+    }
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs Linux /proc")
+def test_the_worker_looks_like_a_served_process():
+    """Issue 19: a kernel that behaves only when it recognises the verifier (its argv, environment,
+    session or signal settings) must not find anything to recognise."""
+    with Evaluator("cpu") as fresh:
+        fresh.start()
+        worker = _proc(fresh._worker.proc.pid)
+    served = subprocess.Popen([sys.executable, "-c", "import sys, torch; sys.stdin.read()"], stdin=subprocess.PIPE)
+    try:
+        time.sleep(0.2)
+        plain = _proc(served.pid)
+    finally:
+        served.communicate(b"", timeout=120)
+    assert "forgepack" not in worker["cmdline"].lower() and "--target" not in worker["cmdline"]
+    assert worker["environ"] == plain["environ"]  # the parent's environment, nothing added
+    assert (worker["sid"], worker["pgid"]) == (plain["sid"], plain["pgid"]) == (os.getsid(0), os.getpgid(0))
+    assert worker["blocked"] == plain["blocked"] and worker["ignored"] == plain["ignored"]

@@ -191,6 +191,7 @@ def _summary(verdicts: list, wall: float) -> dict:
         "median_compile_s": statistics.median(v.compile_s for v in verdicts),
         "median_verify_s": statistics.median(v.verify_s for v in verdicts),
         "median_bench_s": statistics.median(v.bench_s for v in verdicts),
+        "median_total_s": statistics.median(v.compile_s + v.verify_s + v.bench_s for v in verdicts),
         "verdicts": categories,
         "best_speedup": max((v.speedup or 0.0) for v in verdicts),
     }
@@ -200,6 +201,14 @@ def _compiler_line(target: str) -> str:
     lines = compiler_version(target).splitlines()
     release = [line for line in lines if "release" in line]
     return (release or lines or ["unknown compiler"])[0].strip()
+
+
+def _commit() -> str:
+    import subprocess
+
+    out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=False,
+                         cwd=Path(__file__).resolve().parent.parent)
+    return out.stdout.strip() or "unknown"
 
 
 def main() -> None:
@@ -222,7 +231,8 @@ def main() -> None:
         "target": args.target, "arch": arch, "machine": machine, "cpus": os.cpu_count(),
         "torch": torch.__version__, "compiler": _compiler_line(args.target),
         "compile": compile_stats, "serial": serial, "pipelined": pipelined,
-        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(["python", *sys.argv]),
+        "commit": _commit(),
     }
     rows = [
         ["compile, cold cache: median s", f"{compile_stats['median_s']:.2f}"],
@@ -231,6 +241,7 @@ def main() -> None:
         ["end to end, serial: candidates/min", f"{serial['candidates_per_minute']:.1f}"],
         ["  median compile / verify / bench s",
          f"{serial['median_compile_s']:.2f} / {serial['median_verify_s']:.2f} / {serial['median_bench_s']:.2f}"],
+        ["  median evaluation s per candidate (compile + verify + bench)", f"{serial['median_total_s']:.2f}"],
         [f"end to end, {args.compile_workers} compile workers: candidates/min",
          f"{pipelined['candidates_per_minute']:.1f}"],
         ["verdicts (serial)", ", ".join(f"{k}: {n}" for k, n in sorted(serial["verdicts"].items()))],
@@ -243,7 +254,8 @@ def main() -> None:
     (out / "bench_evaluate.json").write_text(json.dumps(result, indent=1) + "\n")
     (out / "bench_evaluate.md").write_text(
         f"# Candidate evaluation benchmark ({result['date']})\n\n{machine}, {result['cpus']} CPUs, torch "
-        f"{result['torch']}, {result['compiler']}\n\n{table}\n"
+        f"{result['torch']}, {result['compiler']}\n\ncommit {result['commit']}, command `{result['command']}`"
+        f"\n\n{table}\n"
     )
     print(f"wrote {out / 'bench_evaluate.json'} and {out / 'bench_evaluate.md'}")
 

@@ -57,8 +57,8 @@ from forgepack.capture import capture
 from forgepack.compile import compile_kernel
 from forgepack.evaluate import Evaluator
 from forgepack.pack import fusedgen
-from forgepack.pack.runtime import graphs
-from forgepack.pack.runtime import modules as rt
+from forgepack.runtime import graphs
+from forgepack.runtime import modules as rt
 from forgepack.templates import fused
 from forgepack.verify import KernelCall, load_kernel
 

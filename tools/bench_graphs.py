@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchlib
 
 from forgepack import models, recipe
-from forgepack.pack.runtime import graphs
+from forgepack.runtime import graphs
 
 RECIPES = ["llama-1b-prefill", "llama-1b-decode", "gpt2", "resnet-50"]
 COMPILE_GUESS_S = 60.0  # a torch.compile warm-up before any has been measured

@@ -32,10 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import benchlib
 
-from forgepack import profile, recipe, workspace
+from forgepack import pipeline, recipe, workspace
 from forgepack.search import allocator, run
-from forgepack.search.executor import LocalExecutor
-from forgepack.search.proposers import make
 from forgepack.search.store import Store
 
 ARMS = ("allocator", "uniform")
@@ -86,9 +84,10 @@ def one_recipe(name: str, args: argparse.Namespace, root: Path) -> tuple[dict, s
         r = r.replace(target={"device": args.target})
     ws = workspace.Workspace.for_recipe(r, root / r.slug)
     t0 = time.monotonic()
-    cards = profile.ensure_profile(r, ws)
+    profiled = pipeline.profile(r, ws)
+    cards = list(profiled.cards)
     profile_s = time.monotonic() - t0
-    arch = profile.load_profile(ws).arch if r.target.device == "cuda" else None
+    facts = pipeline.target_facts(r, profiled.profile)
     options = {"bench_reps": args.bench_reps} if args.bench_reps else {}
     from forgepack.evaluate import Evaluator
     from forgepack.search.executor import supported_options
@@ -102,10 +101,10 @@ def one_recipe(name: str, args: argparse.Namespace, root: Path) -> tuple[dict, s
         for stale in ws.root.glob(f"store-{arm}.sqlite*"):
             stale.unlink()
         store = Store(path)
-        proposer = make("templates", target=r.target.device)
-        settings = run.Settings(budget=args.budget, target=r.target.device, arch=arch, strategy=arm,
+        proposer = pipeline.make_proposer(r.replace(build={"proposer": "templates"}), facts)
+        settings = run.Settings(budget=args.budget, target=facts.target, arch=facts.arch, strategy=arm,
                                 margin=r.build.margin)
-        local = LocalExecutor(r.target.device, arch=arch, margin=r.build.margin, evaluator_options=options)
+        local = pipeline.make_executor("local", r, facts, {"evaluator_options": options})
         executor = SharedVerdicts(local, [] if args.no_share_verdicts else list(stores))
         try:
             result = run.Search(ws, cards, proposer, executor, settings, store=store).run()

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchlib
 
 from forgepack import models
-from forgepack.cli.bench import BenchContext, Column, Skip, load_pack, ready_column
+from forgepack.bench import BenchContext, Column, Skip, load_pack, ready_column
 from forgepack.recipe import resolve
 
 TOP = 15

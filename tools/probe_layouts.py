@@ -207,7 +207,7 @@ def probe_gelu() -> list[dict]:
     beside the eager chain, all replayed from CUDA graphs."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from forgepack import capture, fusion, samples
+    from forgepack import capture, fusion, opcall, samples
     from forgepack.templates import templates_for
     from forgepack.verify import KernelCall
 
@@ -221,7 +221,7 @@ def probe_gelu() -> list[dict]:
     for card in cards:
         inputs = samples.fresh_inputs(card, seed=0, device=torch.device("cuda"))
         outs = [samples.materialize(m, torch.zeros(m.span()), torch.device("cuda")) for m in card.outputs]
-        eager = graph_us(lambda card=card, inputs=inputs: fusion.run_chain(card, inputs, "cuda"))
+        eager = graph_us(lambda card=card, inputs=inputs: opcall.run_chain(card, inputs, "cuda"))
         rows.append({"card": card.signature()[:50], "variant": "eager chain", "us": eager})
         print(rows[-1], [t.name for t in templates_for(card, "cuda")], flush=True)
         timed = []

@@ -23,7 +23,7 @@ def _root() -> None:
 
 
 # One module per command; each defines `register(app)`.
-COMMANDS = ("profile", "check", "build", "inspect", "bench", "report")
+COMMANDS = ("recipes", "profile", "check", "build", "inspect", "bench", "report")
 
 for _name in COMMANDS:
     try:

@@ -1,135 +1,24 @@
 """`forgepack bench <model|recipe> --pack <wheel>`: eager, the pack and torch.compile, side by side.
 
-Every column runs the same model on the same inputs in one process; rounds are interleaved (the
-column order is shuffled each round) and each round's time is the median of `--reps` forwards, so the
-speed-ups (paired per round) survive a noisy machine. A column is a name, a way to switch it on and
-off, and the forward to time: more columns (e.g. CUDA graphs) are one more entry in `COLUMNS`.
+The engine is `forgepack.bench`; this module parses the flags, writes `bench.json` and draws the table.
 """
 
 from __future__ import annotations
 
-import contextlib
-import importlib
 import json
-import random
-import statistics
-import sys
-import tempfile
-import time
-import zipfile
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 from rich.table import Table
 
+from forgepack import bench
+from forgepack.bench import COLUMNS
 from forgepack.cli.common import console, out, resolve, workspace_for
-from forgepack.errors import ForgepackError, UsageError
 
 
 def register(app: typer.Typer) -> None:
     app.command("bench")(bench_command)
-
-
-@dataclass
-class Column:
-    """One way of running the model. `setup` returns the forward to time, or raises `Skip`."""
-
-    name: str
-    setup: Callable[[Any, Any], Callable[[], Any]]
-    enter: Callable[[], None] = lambda: None
-    exit: Callable[[], None] = lambda: None
-    note: str = ""
-
-
-class Skip(Exception):
-    """A column that cannot run here (e.g. the pack does not apply to this GPU); the message says why."""
-
-
-@dataclass
-class BenchContext:
-    lm: Any
-    pack: Any = None
-    compile_backend: str = "inductor"
-    compile_mode: str | None = None
-    extras: dict = field(default_factory=dict)
-
-
-def _eager(ctx: BenchContext, col: Column) -> Callable[[], Any]:
-    return ctx.lm.run
-
-
-def _pack(ctx: BenchContext, col: Column) -> Callable[[], Any]:
-    if ctx.pack is None:
-        raise Skip("no --pack given")
-    if not ctx.pack.activate():
-        raise Skip("the pack does not apply here (see the warning above)")
-    ctx.pack.deactivate()
-    col.enter = lambda: ctx.pack.activate(strict=True)
-    col.exit = ctx.pack.deactivate
-    return ctx.lm.run
-
-
-def _graphed(ctx: BenchContext, col: Column, with_pack: bool) -> Callable[[], Any]:
-    """The forward replayed from CUDA graphs (one per input signature), with or without the pack.
-
-    The graphed forward is built once and kept across rounds, so rounds time replays, not captures.
-    """
-    import torch
-
-    if with_pack:
-        verdict = ctx.pack.manifest().get("graphs", {})
-        if verdict.get("enabled") is False:  # activate(graphs=True) would run eagerly: no number for it
-            raise Skip(f"the pack's manifest turns graph mode off: {verdict.get('reason', 'no reason given')}")
-    if ctx.lm.device.type != "cuda":
-        raise Skip("CUDA graphs need a GPU")
-    if with_pack:
-        _pack(ctx, col)  # the pack's kernels are switched on around each round, and inside the graph
-        graphs = importlib.import_module(f"{ctx.pack.__name__}.graphs")
-    else:
-        from forgepack.pack.runtime import graphs
-    lm = ctx.lm
-    graphed = graphs.GraphedForward(graphs.eager_forward(lm.model))
-    col.note = "CUDA graph replay" + (" with the pack's kernels" if with_pack else " of stock kernels")
-
-    def run() -> Any:
-        with torch.no_grad():
-            result = graphed(**lm.inputs)
-        lm.reset()
-        return result
-
-    ctx.extras.setdefault("graph_stats", {})[col.name] = graphed.stats
-    return run
-
-
-def _compiled(ctx: BenchContext, col: Column, mode: str | None = None) -> Callable[[], Any]:
-    import torch
-
-    lm = ctx.lm
-    mode = mode or ctx.compile_mode
-    compiled = torch.compile(lm.model, backend=ctx.compile_backend, mode=mode)
-    col.note = f"torch.compile(backend={ctx.compile_backend!r}" + (f", mode={mode!r})" if mode else ")")
-
-    def run() -> Any:
-        with torch.no_grad():
-            result = compiled(**lm.inputs)
-        lm.reset()
-        return result
-
-    return run
-
-
-# name -> how to set it up; the order is the table's
-COLUMNS: dict[str, Callable[[BenchContext, Column], Callable[[], Any]]] = {
-    "eager": _eager,
-    "pack": _pack,
-    "graphs": lambda ctx, col: _graphed(ctx, col, with_pack=False),
-    "pack+graphs": lambda ctx, col: _graphed(ctx, col, with_pack=True),
-    "compile": _compiled,
-    "compile-ro": lambda ctx, col: _compiled(ctx, col, "reduce-overhead"),
-}
 
 
 def bench_command(
@@ -149,22 +38,8 @@ def bench_command(
 ) -> None:
     """Time the model eagerly, with the pack, with CUDA graphs and under torch.compile, interleaved in one run."""
     names = [c.strip() for c in columns.split(",") if c.strip()]
-    unknown = [n for n in names if n not in COLUMNS]
-    if unknown or not names:
-        raise UsageError(f"unknown column {unknown[0] if unknown else '(none)'}: choose from {', '.join(COLUMNS)}")
-    if rounds < 1 or reps < 1:
-        raise UsageError("--rounds and --reps must be at least 1")
-    if any("pack" in n for n in names) and not pack:
-        raise UsageError("the pack columns need --pack <wheel>")
     recipe = resolve(model, target=target, dtype=dtype, batch=batch, seq_len=seq_len)
-    from forgepack import models
-
-    with contextlib.ExitStack() as stack, models.quiet_transformers():
-        module = load_pack(Path(pack), stack) if pack else None
-        lm = models.load(recipe)
-        result = run_bench(BenchContext(lm, module, compile_backend, compile_mode), names, rounds, reps)
-    result = {"recipe": recipe.name, "device": str(lm.device), "dtype": recipe.workload.dtype,
-              "pack": str(pack) if pack else None, **result}
+    result = bench.run(recipe, names, rounds, reps, Path(pack) if pack else None, compile_backend, compile_mode)
     ws = workspace_for(recipe, workspace)
     ws.root.mkdir(parents=True, exist_ok=True)
     ws.write_json("bench.json", result)  # the report's "eager vs pack vs torch.compile" section
@@ -172,107 +47,6 @@ def bench_command(
         out.print_json(json.dumps(result))
         return
     out.print(table(result))
-
-
-def load_pack(wheel: Path, stack: contextlib.ExitStack):
-    """Import a pack straight from its wheel (unpacked to a temporary directory), without installing it."""
-    if not wheel.is_file():
-        raise UsageError(f"pack {wheel} does not exist")
-    if not zipfile.is_zipfile(wheel):
-        raise ForgepackError(f"{wheel} is not a wheel")
-    tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="forgepack-bench-")))
-    with zipfile.ZipFile(wheel) as z:
-        tops = {n.split("/")[0] for n in z.namelist() if n.endswith("/manifest.toml") and n.count("/") == 1}
-        if len(tops) != 1:
-            raise ForgepackError(f"{wheel} is not a forgepack kernel pack (no manifest.toml)")
-        z.extractall(tmp)
-    name = tops.pop()
-    if name in sys.modules:
-        raise ForgepackError(f"{name} is already imported in this process; run the benchmark in a fresh one")
-    sys.path.insert(0, str(tmp))
-    stack.callback(sys.path.remove, str(tmp))
-    return importlib.import_module(name)
-
-
-# Graph mode captures on its third call and reduce-overhead records on its second or third: rounds
-# must time replays, not captures.
-WARMUP_CALLS = 4
-
-
-def ready_column(ctx: BenchContext, name: str) -> tuple[Column, Callable[[], Any]]:
-    """The column set up and warmed (compilation, lazy initialisation, graph captures), so that what is
-    timed next is steady state; raises Skip when the column cannot run here."""
-    col = Column(name, COLUMNS[name])
-    fn = col.setup(ctx, col)
-    for _ in range(WARMUP_CALLS):
-        _run_in(col, fn)
-    return col, fn
-
-
-def run_bench(ctx: BenchContext, names: list[str], rounds: int, reps: int, seed: int = 0) -> dict[str, Any]:
-    """Per column: per-round medians, overall median, speed-up over eager (paired by round)."""
-    cols, skipped = {}, {}
-    for name in names:
-        try:
-            cols[name] = ready_column(ctx, name)
-        except Skip as why:
-            skipped[name] = str(why)
-    device = ctx.lm.device
-    times: dict[str, list[float]] = {name: [] for name in cols}
-    rng = random.Random(seed)
-    order = list(cols)
-    for _ in range(rounds):
-        rng.shuffle(order)
-        for name in order:
-            col, fn = cols[name]
-            times[name].append(_time_round(col, fn, device, reps))
-    result: dict[str, Any] = {"rounds": rounds, "reps": reps, "columns": {}}
-    base = times.get("eager")
-    for name in names:
-        if name in skipped:
-            result["columns"][name] = {"skipped": skipped[name]}
-            continue
-        entry: dict[str, Any] = {"ms": statistics.median(times[name]), "rounds_ms": times[name],
-                                 "note": cols[name][0].note}
-        if base:
-            ratios = [b / t for b, t in zip(base, times[name], strict=True)]
-            entry["speedup"] = statistics.median(ratios)
-            entry["speedup_range"] = [min(ratios), max(ratios)]
-        result["columns"][name] = entry
-    if ctx.pack is not None and ("pack" in cols or "pack+graphs" in cols):
-        hits = {vid: s["hits"] for vid, s in ctx.pack.stats().items()}
-        result["pack_hits"] = hits
-    for name, stats in ctx.extras.get("graph_stats", {}).items():
-        result["columns"][name]["graphs"] = stats()
-    return result
-
-
-def _run_in(col: Column, fn: Callable[[], Any]) -> Any:
-    col.enter()
-    try:
-        return fn()
-    finally:
-        col.exit()
-
-
-def _time_round(col: Column, fn: Callable[[], Any], device, reps: int) -> float:
-    import torch
-
-    col.enter()
-    try:
-        fn()  # one untimed call after switching
-        samples = []
-        for _ in range(reps):
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            t0 = time.perf_counter()
-            fn()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            samples.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(samples)
-    finally:
-        col.exit()
 
 
 def table(result: dict[str, Any]) -> Table:

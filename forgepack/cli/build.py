@@ -1,12 +1,14 @@
 """`forgepack build`: spend a budget of proposer calls where the end-to-end gain is largest, keep the winners.
 
 Profile (unless the workspace has one for this recipe) -> plan -> search (resumable) -> accepted.json
--> pack. Killed at any point, the same command continues from the workspace's store.
+-> pack, as `forgepack.pipeline.build` runs them; this module parses the flags and draws the stages.
+Killed at any point, the same command continues from the workspace's store.
 """
 
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated
 
@@ -14,109 +16,125 @@ import typer
 from rich.live import Live
 from rich.table import Table
 
-from forgepack import profile as profile_mod
-from forgepack.cli.common import console, out, progress, resolve, workspace_for
-from forgepack.errors import UsageError
-from forgepack.pack import builder as pack_builder
-from forgepack.recipe import Recipe
-from forgepack.search import allocator, run
+from forgepack import pipeline
+from forgepack.cli.common import console, out, progress, resolve, steps, workspace_for
+from forgepack.errors import ForgepackError, UsageError
+from forgepack.recipe import DEFAULT_RECIPE, TASKS, BuildSettings, Recipe
+from forgepack.search import run
 from forgepack.search.allocator import Decision, PlanRow
-from forgepack.search.executor import LocalExecutor
-from forgepack.search.proposers import make
 from forgepack.search.store import CallRecord, CandidateRecord
-from forgepack.workspace import Workspace
 
 
 def register(app: typer.Typer) -> None:
     app.command("build")(build_command)
 
 
+DEFAULTS = BuildSettings()
+
+
 def build_command(
-    spec: Annotated[
-        str | None,
-        typer.Argument(metavar="[MODEL]", help="recipe .toml, built-in recipe name, local model dir or hub id"),
+    specs: Annotated[
+        list[str] | None,
+        typer.Argument(metavar="[MODEL]...", help="recipe .toml, built-in recipe name, local model dir or hub id; "
+                       "several share the executor, each with its own workspace and pack",
+                       show_default=DEFAULT_RECIPE),
     ] = None,
-    budget: Annotated[int | None, typer.Option(help="proposer calls to spend (total in the workspace)")] = None,
-    proposer: Annotated[str | None, typer.Option(help="templates (offline, free) or anthropic (Claude)")] = None,
+    budget: Annotated[int | None, typer.Option(
+        help="proposer calls to spend (total in the workspace)",
+        show_default=f"the recipe's build.budget, else {DEFAULTS.budget}")] = None,
+    proposer: Annotated[str | None, typer.Option(
+        help="templates (offline, free) or anthropic (Claude)",
+        show_default=f"the recipe's build.proposer, else {DEFAULTS.proposer}")] = None,
+    llm_model: Annotated[str | None, typer.Option(
+        "--llm-model", help="Claude model for --proposer anthropic",
+        show_default=f"the recipe's build.llm_model, else {DEFAULTS.llm_model}")] = None,
+    old_llm_model: Annotated[str | None, typer.Option("--model", hidden=True, help="deprecated: --llm-model")] = None,
     explain: Annotated[bool, typer.Option("--explain", help="print why each call went where it did")] = False,
     max_cost: Annotated[float | None, typer.Option("--max-cost", help="cap on LLM spend, US dollars")] = None,
-    margin: Annotated[float | None, typer.Option(help="speed-up a kernel must beat, e.g. 0.05 = 5%")] = None,
+    margin: Annotated[float | None, typer.Option(
+        help="speed-up a kernel must beat, e.g. 0.05 = 5%",
+        show_default=f"the recipe's build.margin, else {DEFAULTS.margin}")] = None,
     no_gate: Annotated[bool, typer.Option("--no-gate", help="skip the end-to-end gate when packing")] = False,
-    workspace: Annotated[str | None, typer.Option(help="workspace directory (default .forgepack/<slug>)")] = None,
     target: Annotated[str | None, typer.Option(help="cpu or cuda (overrides the recipe)")] = None,
-    llm_model: Annotated[str | None, typer.Option("--model", help="Claude model for --proposer anthropic")] = None,
+    task: Annotated[str | None, typer.Option(help=f"{', '.join(TASKS)} (overrides the recipe)")] = None,
+    dtype: Annotated[str | None, typer.Option(help="float32, float16 or bfloat16 (overrides the recipe)")] = None,
+    batch: Annotated[str | None, typer.Option(help="batch size, or a range such as 1-8 (overrides the recipe)")] = None,
+    seq_len: Annotated[str | None, typer.Option(
+        "--seq-len", help="sequence length, or a range such as 16-2048 (overrides the recipe)")] = None,
+    phase: Annotated[str | None, typer.Option(help="prefill, decode or generate (overrides the recipe)")] = None,
+    workspace: Annotated[str | None, typer.Option(help="workspace directory (default .forgepack/<slug>)")] = None,
     strategy: Annotated[str, typer.Option(hidden=True, help="allocator or uniform (benchmarks)")] = "allocator",
     out_dir: Annotated[str, typer.Option("--out", help="where the pack wheel goes")] = "packs",
     as_json: Annotated[bool, typer.Option("--json", help="print the search result as JSON")] = False,
+    executor_kind: Annotated[str, typer.Option(
+        "--executor", help=f"where candidates compile and run: {' or '.join(pipeline.EXECUTORS)} "
+                           "(this host, a Ray cluster)",
+    )] = "local",
+    ray_address: Annotated[str | None, typer.Option("--ray-address", help="Ray cluster (default: a local one)")] = None,
 ) -> None:
     """Search verified kernels for the operator calls that matter, within a budget, and keep the best."""
+    pipeline.check_executor(executor_kind, ray_address)  # once, before any recipe profiles
+    if specs and len(specs) > 1:
+        options = {k: v for k, v in locals().items() if k != "specs"}
+        return pipeline.build_each(specs, lambda one: build_command([one], **options), workspace=workspace)
+    spec = specs[0] if specs else None
     if budget is not None and budget < 0:
         raise UsageError(f"--budget must be 0 or more, got {budget}")
-    if strategy not in allocator.STRATEGIES:
-        raise UsageError(f"--strategy must be one of {', '.join(allocator.STRATEGIES)}, got {strategy!r}")
+    if old_llm_model is not None:
+        console.print("[yellow]--model is deprecated (it names the Claude model): use --llm-model[/yellow]")
+        llm_model = llm_model or old_llm_model
     build = {"budget": budget, "proposer": proposer, "max_cost": max_cost, "margin": margin, "llm_model": llm_model,
              "gate": False if no_gate else None}
-    recipe = resolve(spec, target=target, build=build)
+    recipe = resolve(spec, target=target, task=task, dtype=dtype, batch=batch, seq_len=seq_len, build=build,
+                     phase=phase)
     ws = workspace_for(recipe, workspace)
-    settings_target = recipe.target.device
-    chosen = make_proposer(recipe)  # before profiling: a missing API key fails fast
-    with progress(f"profiling {recipe.name}", enabled=not as_json) as note:
-        cards = profile_mod.ensure_profile(recipe, ws, note)
-    arch = target_arch(recipe, ws)
-    if hasattr(chosen, "facts"):
-        chosen.facts.update(device_facts(ws, settings_target))
-    settings = run.Settings(budget=recipe.build.budget, target=settings_target, arch=arch, strategy=strategy,
-                            max_cost=recipe.build.max_cost, margin=recipe.build.margin)
-    reporter = RichReporter(cards, explain=explain, quiet=as_json)
-    with LocalExecutor(settings_target, arch=arch, margin=recipe.build.margin) as executor, reporter:
-        search = run.Search(ws, cards, chosen, executor, settings, reporter=reporter)
-        try:
-            result = search.run()
-        finally:
-            search.store.close()
-    path = run.save_accepted(ws, result.accepted)
-    if not as_json:
-        show_result(result, recipe)
-        console.print(f"accepted kernels: {path}")
-    packed = pack_builder.build_pack(ws, recipe, margin=recipe.build.margin, gate=recipe.build.gate,
-                                     out_dir=Path(out_dir), note=lambda text: console.print(text),
-                                     console=None if as_json else console)
+    view = BuildView(recipe, explain=explain, quiet=as_json)
+    built = pipeline.build(recipe, ws, listener=view, strategy=strategy, executor=executor_kind,
+                           executor_options={"address": ray_address} if ray_address else None,
+                           out_dir=Path(out_dir), console=None if as_json else console)
+    packed = built.pack
     if as_json:
-        doc = {**run.result_json(result), "workspace": str(ws.root),
-               "wheel": str(packed.wheel) if packed.wheel else None, "gate": packed.gate}
+        doc = {**run.result_json(built.search), "workspace": str(ws.root),
+               "wheel": str(packed.wheel) if packed.wheel else None, "gate": packed.gate,
+               "package": packed.manifest.name if packed.wheel else None}
         out.print_json(json.dumps(doc, default=str))
     elif packed.wheel:
-        console.print(f"pack: {packed.wheel} (gate {packed.gate})\n"
-                      f"install it with: pip install {packed.wheel}")
-    else:
+        console.print(last_lines(packed.wheel, packed.manifest.name, packed.gate))
+    elif not packed.refused:
         console.print(f"no pack written ({packed.gate}): no kernel was accepted and kept; see the tables above")
+    if packed.refused:  # the gate would not ship a pack that is slower or changes outputs: a failed build
+        raise ForgepackError(f"no pack written: {packed.refused}")
 
 
-def make_proposer(recipe: Recipe):
-    if recipe.build.proposer == "anthropic":
-        return make("anthropic", target=recipe.target.device, model=recipe.build.llm_model)
-    return make(recipe.build.proposer, target=recipe.target.device)
+def last_lines(wheel: Path, package: str, gate: str) -> str:
+    """What to do with the pack: install it, import it by this name, activate it with one line."""
+    return (f"pack: {wheel} (gate {gate})\n"
+            f"install:  pip install {wheel}\n"
+            f"import:   {package}\n"
+            f"activate: import {package} as pack; pack.activate()")
 
 
-def target_arch(recipe: Recipe, ws: Workspace) -> str | None:
-    if recipe.target.device != "cuda":
-        return None
-    if recipe.target.arch:
-        return recipe.target.arch
-    prof = profile_mod.load_profile(ws)
-    return prof.arch if prof and prof.arch else None
+class BuildView(pipeline.Listener):
+    """The build as the CLI draws it: a profile bar, the search's live table, the pack's steps."""
 
+    def __init__(self, recipe: Recipe, explain: bool, quiet: bool):
+        self.recipe, self.explain, self.quiet = recipe, explain, quiet
 
-def device_facts(ws: Workspace, target: str) -> dict:
-    """What an LLM should know about the device: from the profile (measured there)."""
-    prof = profile_mod.load_profile(ws)
-    facts = {"target": target}
-    if prof is not None:
-        facts["device"] = prof.device
-        if prof.arch:
-            facts["arch"] = prof.arch
-        facts["torch"] = prof.torch_version
-    return facts
+    def profiling(self):
+        return progress(f"profiling {self.recipe.name}", enabled=not self.quiet)
+
+    @contextmanager
+    def searching(self, cards):
+        with RichReporter(cards, explain=self.explain, quiet=self.quiet) as reporter:
+            yield reporter
+
+    def searched(self, result: run.SearchResult, accepted: Path) -> None:
+        if not self.quiet:
+            show_result(result, self.recipe)
+            console.print(f"accepted kernels: {accepted}")
+
+    def packing(self):
+        return steps("pack", live=not self.quiet)
 
 
 # --- drawing -------------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import zipfile
+import zlib
 from pathlib import Path
 from typing import Annotated
 
@@ -13,7 +14,7 @@ from rich.table import Table
 from forgepack.cli.common import out
 from forgepack.errors import ForgepackError, UsageError
 from forgepack.pack import manifest as manifest_mod
-from forgepack.pack.manifest import Manifest
+from forgepack.pack.manifest import GateSummary, Manifest
 
 
 def register(app: typer.Typer) -> None:
@@ -40,6 +41,10 @@ def read_manifest(path: Path) -> Manifest:
     """The manifest of a wheel, a package directory or a manifest file; a one-line error otherwise."""
     if not path.exists():
         raise UsageError(f"{path} does not exist")
+    if path.is_file() and path.stat().st_size == 0:
+        raise ForgepackError(f"{path} is an empty file: not a kernel pack")
+    if path.suffix == ".whl" and not zipfile.is_zipfile(path):
+        raise ForgepackError(f"{path} is not a readable wheel: not a zip archive (truncated or not a wheel)")
     try:
         if path.is_dir():
             text = (path / manifest_mod.FILE).read_text()
@@ -50,8 +55,11 @@ def read_manifest(path: Path) -> Manifest:
         return manifest_mod.loads(text)
     except FileNotFoundError:
         raise ForgepackError(f"{path} has no {manifest_mod.FILE}: not a forgepack pack") from None
+    except (zipfile.BadZipFile, zlib.error, EOFError) as err:  # a member's bytes do not decompress or check
+        raise ForgepackError(f"{path} is a corrupt wheel: {(str(err).splitlines() or [''])[0]}") from None
     except (ValueError, KeyError, TypeError, UnicodeDecodeError) as err:
-        raise ForgepackError(f"{path}: not a readable forgepack manifest ({type(err).__name__}: {err})") from None
+        first = (str(err).splitlines() or [""])[0]
+        raise ForgepackError(f"{path}: not a readable forgepack manifest ({type(err).__name__}: {first})") from None
 
 
 def _from_wheel(path: Path) -> str:
@@ -80,7 +88,7 @@ def overview(m: Manifest) -> Table:
         ("built with", f"torch {m.torch}" + (f", CUDA {m.cuda}" if m.cuda else "") + f", {m.platform}, "
                        f"python {m.python}"),
         ("gate", m.gate + _gate_text(m.gate_summary)),
-        ("kernels", str(len(m.variants))),
+        ("kernels", str(len(m.variants) + len(m.fused)) + (f" ({len(m.fused)} fused)" if m.fused else "")),
         ("provenance", f"forgepack {m.provenance.forgepack}, {m.provenance.date}"
                        + (f", commit {m.provenance.commit[:12]}" if m.provenance.commit else "")
                        + (f", on {m.provenance.device}" if m.provenance.device else "")),
@@ -91,10 +99,11 @@ def overview(m: Manifest) -> Table:
     return table
 
 
-def _gate_text(s: dict) -> str:
-    if not s.get("stock_ms"):
+def _gate_text(s: GateSummary) -> str:
+    if not s.stock_ms:
         return ""
-    return f": model {s['stock_ms']:.2f} ms stock, {s['pack_ms']:.2f} ms with the pack ({s['speedup']:.3f}x)"
+    ci = f", 95% CI {s.ci[0]:.3f}-{s.ci[1]:.3f}" if s.ci else ""
+    return f": model median {s.stock_ms:.2f} ms stock, {s.pack_ms:.2f} ms with the pack ({s.speedup:.3f}x{ci})"
 
 
 def variants_table(m: Manifest) -> Table:
@@ -107,6 +116,8 @@ def variants_table(m: Manifest) -> Table:
         tol = ", ".join("exact" if t.exact else f"rtol {t.rtol:g} atol {t.atol:g}" for t in v.tolerance)
         table.add_row(v.id, v.signature, str(v.calls), f"{v.speedup:.2f}x", f"{v.ci_low:.2f}-{v.ci_high:.2f}",
                       "" if v.e2e_ratio is None else f"{v.e2e_ratio:.3f}", tol, v.proposer)
+    for f in m.fused:  # module-level chains: their guard is the patched forward's (modules.json)
+        table.add_row(f.id, f"fused: {f.signature}", str(f.calls), "", "", "", "", "")
     return table
 
 

@@ -4,13 +4,15 @@
    whose card the guarded dispatch can serve (functional aten ops; see `shimgen.check_supported`).
 2. Stage: a package directory (`<workspace>/pack/stage/forgepack_pack_<slug>/`) with the exact kernel
    objects that were verified and timed (copied, never recompiled), their sources, the generated shim
-   (compiled here with g++ against this torch), the runtime (`forgepack/pack/runtime/`), and
+   (compiled here with g++ against this torch), the runtime (`forgepack/runtime/`), and
    `manifest.toml` with every file's sha256.
 3. Gate (`forgepack.pack.gate`, in a subprocess): outputs agree with stock, every kernel is used and
-   pays end to end; what is dropped is restaged and checked again ("verify"). `--no-gate` skips it and
-   the manifest says `gate = "skipped"`.
+   pays end to end, and so does the whole pack; what is dropped is restaged and checked again
+   ("verify"). A pack that does not pay is not shipped: no wheel, gate "failed", `refused` says why.
+   `--no-gate` skips it and the manifest says `gate = "skipped"`.
 4. Wheel: setuptools `bdist_wheel` in a subprocess (nothing is compiled at `pip install`; no network),
-   tagged `py3-none-<platform>` because the shim uses no Python ABI; it depends on torch only.
+   tagged `py3-none-<platform>` because the shim uses no Python ABI; it depends on the torch minor it
+   was built for only. It replaces any earlier wheel of the same pack in `packs/`.
 
 `pack_report.json` in the workspace and a console table say what was kept and dropped, and why.
 """
@@ -31,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from forgepack import __version__, tolerances
+from forgepack import __version__, models, packreport
 from forgepack import accepted as accepted_mod
 from forgepack import recipe as recipe_mod
 from forgepack.accepted import AcceptedKernel
@@ -40,25 +42,24 @@ from forgepack.errors import ForgepackError
 from forgepack.pack import fusedgen, shimgen
 from forgepack.pack import gate as gate_mod
 from forgepack.pack import manifest as manifest_mod
-from forgepack.pack.manifest import Manifest, OutputTolerance, PackFile, PackVariant, Provenance
+from forgepack.pack.manifest import (
+    FusedKernel,
+    GateSummary,
+    Manifest,
+    OutputTolerance,
+    PackFile,
+    PackVariant,
+    Provenance,
+)
+from forgepack.packreport import Decision, PackReport
 from forgepack.recipe import Recipe
+from forgepack.runtime import tolerances
+from forgepack.runtime.packinfo import GraphVerdict
 from forgepack.workspace import Workspace
 
-RUNTIME_DIR = Path(__file__).parent / "runtime"
+RUNTIME_DIR = Path(__file__).parent.parent / "runtime"
 SHIM_LIBRARY = "shim/libforgepack_shim.so"
-REPORT = "pack_report.json"
-
-
-@dataclass(frozen=True)
-class Decision:
-    card_id: str
-    op: str
-    signature: str
-    kept: bool
-    stage: str  # "select" | "gate"
-    reason: str
-    speedup: float | None = None  # in isolation (the search's measurement)
-    e2e_ratio: float | None = None  # gate: model time without it / with it
+REPORT = packreport.FILE
 
 
 @dataclass(frozen=True)
@@ -67,8 +68,9 @@ class PackResult:
     manifest: Manifest | None
     decisions: tuple[Decision, ...]
     report: Path
-    gate: str  # "passed" | "skipped" | "empty" (nothing to ship)
-    gate_summary: dict[str, Any] = dataclasses.field(default_factory=dict)
+    gate: str  # "passed" | "skipped" | "empty" (nothing selected) | "failed" (the gate let nothing ship)
+    gate_summary: GateSummary = dataclasses.field(default_factory=GateSummary)
+    refused: str = ""  # gate "failed": why no wheel was written
 
     @property
     def kept(self) -> list[Decision]:
@@ -134,6 +136,8 @@ def _select_reason(ws, k: AcceptedKernel, card: Card | None, target: str, arch: 
         return f"speed-up {k.speedup:.3f}x is below the margin ({1.0 + margin:.3f}x)"
     if not k.binary or not (ws.root / k.binary).is_file():
         return f"the verified object {k.binary or '(none)'} is missing"
+    if k.binary_sha256 and _sha256(ws.root / k.binary) != k.binary_sha256:
+        return f"{k.binary} is not the object that was verified and timed (its sha256 differs from {k.binary_sha256})"
     if card.kind == "fusion":
         return fusedgen.unsupported_reason(card, target)
     return shimgen.unsupported_reason(card, target, includes)
@@ -227,9 +231,10 @@ def stage(ws: Workspace, recipe: Recipe, chosen: list[_Chosen], root: Path, vers
                                      for c, v in zip(ops, variants, strict=True)], namespace, target, title=name)
             (pkg / "sources" / "shim.cpp").write_text(code)
             shimgen.compile_shim(pkg / "sources" / "shim.cpp", pkg / SHIM_LIBRARY, [pkg / "sources"])
+        spec = {}
         if fusions:  # kernels/, sources/, shim/libforgepack_fused.so, modules.json (digested like the rest)
-            fusedgen.stage(pkg, [(c.card, ws.root / c.kernel.binary, ws.root / c.kernel.source) for c in fusions],
-                           namespace, target, title=name)
+            spec = fusedgen.stage(pkg, [(c.card, ws.root / c.kernel.binary, ws.root / c.kernel.source)
+                                        for c in fusions], namespace, target, title=name)
     except RuntimeError as err:
         raise ForgepackError(str(err).splitlines()[0] + " " + " | ".join(str(err).splitlines()[1:3])) from None
     files = tuple(PackFile(str(p.relative_to(pkg)), _sha256(p), p.stat().st_size)
@@ -250,6 +255,8 @@ def stage(ws: Workspace, recipe: Recipe, chosen: list[_Chosen], root: Path, vers
             proposers=tuple(sorted({c.kernel.proposer for c in chosen})), device=_device_name(target),
         ),
         align_bytes=shimgen.ALIGN_BYTES,
+        fused=tuple(FusedKernel(v["id"], v["op"], v["signature"], v["kernel"], v.get("calls", 0), tuple(v["sites"]))
+                    for v in spec.get("variants", ())),
     )
     (pkg / manifest_mod.FILE).write_text(manifest_mod.dumps(manifest))
     return manifest
@@ -263,11 +270,11 @@ def _drop_none(d: dict) -> dict:
 
 _SETUP = """
 import sys, setuptools
-name, version, plat, dist = sys.argv[1:5]
+name, version, plat, dist, torch_req = sys.argv[1:6]
 setuptools.setup(
     name=name, version=version, packages=[name],
     package_data={name: ["manifest.toml", "modules.json", "shim/*", "kernels/*", "sources/*"]},
-    install_requires=["torch", "tomli; python_version < '3.11'"], python_requires=">=3.10",
+    install_requires=[torch_req, "tomli; python_version < '3.11'"], python_requires=">=3.10",
     description="forgepack kernel pack: verified kernels behind C++ guards for one model",
     script_args=["-q", "bdist_wheel", "--python-tag", "py3", "--plat-name", plat, "--dist-dir", dist],
 )
@@ -279,7 +286,8 @@ def build_wheel(root: Path, manifest: Manifest, out_dir: Path) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     dist = (root / "dist").resolve()  # setuptools runs with cwd=root: a relative path would point elsewhere
     shutil.rmtree(dist, ignore_errors=True)
-    cmd = [sys.executable, "-c", _SETUP, manifest.name, manifest.version, manifest.platform, str(dist)]
+    cmd = [sys.executable, "-c", _SETUP, manifest.name, manifest.version, manifest.platform, str(dist),
+           torch_requirement(manifest.torch)]
     proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, check=False)
     wheels = sorted(dist.glob("*.whl"))
     if proc.returncode != 0 or len(wheels) != 1:
@@ -287,10 +295,19 @@ def build_wheel(root: Path, manifest: Manifest, out_dir: Path) -> Path:
         raise ForgepackError(f"building the wheel failed: {tail}")
     _check_wheel(wheels[0], manifest)
     final = out_dir / wheels[0].name
+    for old in out_dir.glob(f"{manifest.name}-*.whl"):  # one wheel per pack: `pip install packs/<name>-*.whl`
+        old.unlink()
     shutil.copyfile(wheels[0], final)
     for leftover in ("build", "dist", f"{manifest.name}.egg-info"):
         shutil.rmtree(root / leftover, ignore_errors=True)
     return final
+
+
+def torch_requirement(version: str) -> str:
+    """The torch the shim was compiled against, to its minor: on any other the pack does nothing, so
+    pip must not pick another (a fresh environment would get the newest, a multi-GB download)."""
+    major, minor = (int(p) for p in version.split("+")[0].split(".")[:2])
+    return f"torch>={major}.{minor},<{major}.{minor + 1}"
 
 
 def _check_wheel(wheel: Path, manifest: Manifest) -> None:
@@ -325,16 +342,17 @@ def build_pack(workspace: Workspace, recipe: Recipe, margin: float = 0.05, gate:
 
 def _build(workspace: Workspace, recipe: Recipe, margin: float, gate: bool, out_dir: Path,
            note: Callable[[str], None], rounds: int) -> PackResult:
-    recipe = recipe_mod.concrete(recipe)  # target "auto" -> the device here
+    # target "auto" -> the device here; task "auto" -> the checkpoint's (the manifest records what ran)
+    recipe = models.resolve_task(recipe_mod.concrete(recipe))
     chosen, decisions = select(workspace, recipe, margin)
     if not chosen:
-        return _finish(workspace, recipe, None, None, decisions, "empty", {}, margin)
+        return _finish(workspace, recipe, None, None, decisions, "empty", GateSummary(), margin)
     version = f"{__version__}.{dt.datetime.now(dt.timezone.utc):%Y%m%d%H%M%S}+{_torch_tag()}"
     root = workspace.pack_dir / "stage"
     note(f"staging {len(chosen)} kernels and compiling the guarded dispatch shim")
     manifest = stage(workspace, recipe, chosen, root, version, "pending" if gate else "skipped")
     ratios: dict[str, float] = {}
-    summary: dict[str, Any] = {}
+    summary = GateSummary()
     if gate:
         note("end-to-end gate: outputs, use and pay of every kernel in the model")
         outcome = gate_mod.run(recipe, root, manifest.name, "full", rounds=rounds)
@@ -343,10 +361,9 @@ def _build(workspace: Workspace, recipe: Recipe, margin: float, gate: bool, out_
             if c.card.id in outcome.dropped:
                 decisions.append(Decision(c.card.id, c.card.op, c.card.signature(), False, "gate",
                                           outcome.dropped[c.card.id], c.kernel.speedup, ratios.get(c.card.id)))
-        kept_ids = set(outcome.kept)
-        summary = {**outcome.summary, "outputs": outcome.outputs.get("note", "")}
-        if not kept_ids:
-            return _finish(workspace, recipe, None, None, decisions, "empty", summary, margin)
+        kept_ids, summary, verdict = set(outcome.kept), outcome.summary, outcome.graphs
+        if not kept_ids or outcome.refused:
+            return _refuse(workspace, recipe, chosen, decisions, outcome, margin)
         if kept_ids != {c.card.id for c in chosen}:
             chosen = [c for c in chosen if c.card.id in kept_ids]
             note(f"rebuilding with the {len(chosen)} kernels that pay, and checking it again")
@@ -354,9 +371,11 @@ def _build(workspace: Workspace, recipe: Recipe, margin: float, gate: bool, out_
             check = gate_mod.run(recipe, root, manifest.name, "verify", rounds=rounds)
             if set(check.kept) != kept_ids:
                 raise ForgepackError(f"the rebuilt pack failed the end-to-end check: {check.dropped}")
-            first = {k: outcome.summary[k] for k in ("graphs_first",) if k in outcome.summary}
-            summary = {**check.summary, **first, "outputs": check.outputs.get("note", "")}
-        manifest = finalize(root, manifest, "passed", ratios, summary)
+            if check.refused:
+                return _refuse(workspace, recipe, chosen, decisions, check, margin)
+            summary = dataclasses.replace(check.summary, graphs_first=outcome.summary.graphs_first)
+            verdict = check.graphs
+        manifest = finalize(root, manifest, "passed", ratios, summary, verdict)
     for c in chosen:
         decisions.append(Decision(c.card.id, c.card.op, c.card.signature(), True, "gate" if gate else "select",
                                   "kept" if gate else "kept (gate skipped)", c.kernel.speedup,
@@ -366,34 +385,40 @@ def _build(workspace: Workspace, recipe: Recipe, margin: float, gate: bool, out_
     return _finish(workspace, recipe, wheel, manifest, decisions, "passed" if gate else "skipped", summary, margin)
 
 
-def finalize(root: Path, manifest: Manifest, gate: str, ratios: dict[str, float], summary: dict) -> Manifest:
+def finalize(root: Path, manifest: Manifest, gate: str, ratios: dict[str, float], summary: GateSummary,
+             graphs: GraphVerdict | None) -> Manifest:
     """Record the gate's outcome in the staged manifest (the manifest is not among the digested files)."""
     variants = tuple(dataclasses.replace(v, e2e_ratio=ratios.get(v.id)) for v in manifest.variants)
-    graphs = summary.get("graphs") or _no_graphs(manifest)
-    rest = {k: v for k, v in summary.items() if k != "graphs"}
-    final = dataclasses.replace(manifest, gate=gate, variants=variants, gate_summary=_drop_none(rest), graphs=graphs)
+    final = dataclasses.replace(manifest, gate=gate, variants=variants, gate_summary=summary,
+                                graphs=graphs or _no_graphs(manifest))
     (root / manifest.name / manifest_mod.FILE).write_text(manifest_mod.dumps(final))
     return final
 
 
-def _no_graphs(manifest: Manifest) -> dict[str, Any]:
+def _no_graphs(manifest: Manifest) -> GraphVerdict:
     if manifest.target != "cuda":
-        return {"enabled": False, "reason": "cpu target: CUDA graphs need a GPU"}
-    return {}
+        return GraphVerdict(False, "cpu target: CUDA graphs need a GPU")
+    return GraphVerdict()
+
+
+def _refuse(ws: Workspace, recipe: Recipe, chosen: list[_Chosen], decisions: list[Decision],
+            outcome: gate_mod.GateOutcome, margin: float) -> PackResult:
+    """The gate let no pack ship: no wheel, the kernels it kept so far recorded as dropped with why."""
+    why = outcome.refused or "no kernel passed the end-to-end gate (see the reasons per kernel)"
+    for c in chosen:
+        if c.card.id in outcome.kept:
+            decisions.append(Decision(c.card.id, c.card.op, c.card.signature(), False, "gate", why,
+                                      c.kernel.speedup, outcome.ratios.get(c.card.id, (None,))[0]))
+    return _finish(ws, recipe, None, None, decisions, "failed", outcome.summary, margin, refused=why)
 
 
 def _finish(ws: Workspace, recipe: Recipe, wheel: Path | None, manifest: Manifest | None,
-            decisions: list[Decision], status: str, summary: dict, margin: float) -> PackResult:
-    report = ws.write_json(REPORT, {
-        "recipe": recipe.name,
-        "wheel": str(wheel) if wheel else None,
-        "gate": status,
-        "margin": margin,
-        "summary": summary,
-        "kept": [dataclasses.asdict(d) for d in decisions if d.kept],
-        "dropped": [dataclasses.asdict(d) for d in decisions if not d.kept],
-    })
-    return PackResult(wheel, manifest, tuple(decisions), report, status, summary)
+            decisions: list[Decision], status: str, summary: GateSummary, margin: float,
+            refused: str = "") -> PackResult:
+    doc = PackReport.of(recipe.name, str(wheel) if wheel else None, status, margin, summary.to_json(), decisions,
+                        refused=refused)
+    report = ws.write_json(REPORT, doc.to_json())
+    return PackResult(wheel, manifest, tuple(decisions), report, status, summary, refused)
 
 
 def report_table(result: PackResult):
@@ -401,6 +426,8 @@ def report_table(result: PackResult):
     from rich.table import Table
 
     title = f"pack: {result.wheel.name if result.wheel else 'no wheel (nothing to ship)'} (gate {result.gate})"
+    if result.refused:
+        title = f"pack: no wheel (gate {result.gate}: {result.refused})"
     table = Table(title=title)
     for name, justify in (("variant", "left"), ("signature", "left"), ("alone", "right"), ("e2e", "right"),
                           ("", "left"), ("why", "left")):
@@ -415,9 +442,14 @@ def report_table(result: PackResult):
 def summary_line(result: PackResult) -> str:
     s = result.gate_summary
     text = f"{len(result.kept)} kernels kept, {len(result.dropped)} dropped"
-    if s.get("stock_ms"):
-        text += f"; model {s['stock_ms']:.2f} ms stock, {s['pack_ms']:.2f} ms with the pack ({s['speedup']:.3f}x"
-        text += ", both replayed from CUDA graphs)" if s.get("timed_under") == "graphs" else ")"
+    if s.stock_ms:
+        # the ratio is the two medians' (per-round median times), so it is the one these times give
+        text += (f"; model median {s.stock_ms:.2f} ms stock, {s.pack_ms:.2f} ms with the pack: "
+                 f"{s.stock_ms / s.pack_ms:.3f}x")
+        text += f" (95% CI {s.ci[0]:.3f}-{s.ci[1]:.3f})" if s.ci else ""
+        text += ", both replayed from CUDA graphs" if s.timed_under == "graphs" else ""
+    if result.refused:
+        return text + f"; no wheel written: {result.refused}"
     return text + (f"; wheel: {result.wheel}" if result.wheel else "; no wheel written")
 
 

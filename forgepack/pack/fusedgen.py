@@ -33,7 +33,7 @@ from typing import Any
 from forgepack import fusion
 from forgepack.cards import Card
 from forgepack.pack import shimgen
-from forgepack.pack.runtime import modules as rt
+from forgepack.runtime import modules as rt
 
 SOURCE = "sources/fused.cpp"
 LIBRARY = "shim/libforgepack_fused.so"

@@ -5,24 +5,26 @@ reads it to check the torch and CUDA versions and the GPU arch, to verify every 
 loading anything, and to name the shim's counters; the self-test draws fresh inputs from each
 variant's recorded arguments. `forgepack inspect` prints it.
 
-`loads(dumps(m)) == m` for every manifest. TOML is written here rather than with `tomli_w` because
-the GPU machines that build packs may not have it; the subset needed (tables, arrays of tables,
-inline tables, strings, numbers, booleans, arrays) is small.
+The manifest is tamper-evident: `dumps` writes its digest into it (`runtime.packinfo.manifest_digest`,
+over everything else in it), and the loader refuses a manifest whose content does not match it, as it
+refuses any file of the pack the manifest does not list or whose sha256 differs.
+
+`loads(dumps(m)) == m` for every manifest (written by `forgepack.tomlwriter`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
 import tomllib
 
 from forgepack import needs as needs_mod
+from forgepack import tomlwriter
 from forgepack.cards import Arg, TensorMeta, ValueStats
 from forgepack.needs import Needs
+from forgepack.runtime.packinfo import DIGEST_KEY, GraphVerdict, manifest_digest
 
 FORMAT = 1
 FILE = "manifest.toml"
@@ -30,7 +32,7 @@ FILE = "manifest.toml"
 
 @dataclass(frozen=True)
 class OutputTolerance:
-    """How close each output must be to stock (`forgepack.tolerances`); exact when both are 0."""
+    """How close each output must be to stock (`forgepack.runtime.tolerances`); exact when both are 0."""
 
     dtype: str
     rtol: float = 0.0
@@ -65,6 +67,18 @@ class PackVariant:
 
 
 @dataclass(frozen=True)
+class FusedKernel:
+    """A fused kernel of the pack (a module-level chain; served by module patches, `modules.json`)."""
+
+    id: str  # the card id
+    op: str  # the chain's name, e.g. "fused.rmsnorm"
+    signature: str
+    kernel: str  # path of its shared object inside the package
+    calls: int = 0  # per model forward
+    sites: tuple[int, ...] = ()  # the patched call forms it serves (modules.json's site numbers)
+
+
+@dataclass(frozen=True)
 class PackFile:
     path: str  # relative to the package directory
     sha256: str
@@ -78,6 +92,42 @@ class Provenance:
     commit: str | None = None
     proposers: tuple[str, ...] = ()
     device: str = ""  # the device the kernels were verified and timed on
+
+
+@dataclass(frozen=True)
+class GateSummary:
+    """What the end-to-end gate measured for the pack it passed: the model's median time per round
+    stock and with the pack, `speedup` = stock_ms / pack_ms (those same medians) with the paired
+    bootstrap 95% interval `ci` of that ratio; `pays`: the interval lies above 1."""
+
+    stock_ms: float | None = None
+    pack_ms: float | None = None
+    speedup: float | None = None
+    ci: tuple[float, float] | None = None
+    rounds: int = 0
+    reps: int = 0
+    timed_under: str = ""  # "graphs" | "eager"
+    pays: bool | None = None
+    outputs: str = ""  # the output check's note
+    graphs_first: GraphVerdict | None = None  # graph replay with every candidate kernel, when it failed
+
+    def to_json(self) -> dict[str, Any]:
+        d = {k: v for k, v in dataclasses.asdict(self).items() if v is not None and v != ""}
+        if self.ci is not None:
+            d["ci"] = list(self.ci)
+        if self.graphs_first is not None:
+            d["graphs_first"] = self.graphs_first.to_json()
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any] | None) -> GateSummary:
+        d = dict(d or {})
+        if d.get("ci") is not None:
+            d["ci"] = tuple(d["ci"])
+        if d.get("graphs_first") is not None:
+            d["graphs_first"] = GraphVerdict.from_json(d["graphs_first"])
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known})
 
 
 @dataclass(frozen=True)
@@ -101,9 +151,10 @@ class Manifest:
     variants: tuple[PackVariant, ...]
     files: tuple[PackFile, ...] = ()
     provenance: Provenance = field(default_factory=lambda: Provenance("", ""))
-    gate_summary: dict[str, Any] = field(default_factory=dict)  # stock/pack model time, speed-up
+    gate_summary: GateSummary = field(default_factory=GateSummary)  # stock/pack model time, speed-up
     align_bytes: int = 16
-    graphs: dict[str, Any] = field(default_factory=dict)  # graph mode: {"enabled": bool, "reason": str}
+    graphs: GraphVerdict = field(default_factory=GraphVerdict)  # graph mode's verdict from the gate
+    fused: tuple[FusedKernel, ...] = ()
 
     def file(self, path: str) -> PackFile | None:
         return next((f for f in self.files if f.path == path), None)
@@ -156,9 +207,10 @@ def to_dict(m: Manifest) -> dict[str, Any]:
                   "python": m.python, "align_bytes": m.align_bytes},
         "shim": {"namespace": m.namespace, "library": m.shim, "source": m.shim_source},
         "provenance": dataclasses.asdict(m.provenance),
-        "gate_summary": m.gate_summary,
-        "graphs": m.graphs,
+        "gate_summary": m.gate_summary.to_json(),
+        "graphs": m.graphs.to_json(),
         "variants": variants,
+        "fused": [dataclasses.asdict(f) for f in m.fused],
         "files": [dataclasses.asdict(f) for f in m.files],
     })
 
@@ -216,71 +268,23 @@ def from_dict(d: dict[str, Any]) -> Manifest:
         variants=tuple(_variant(v) for v in d.get("variants", ())),
         files=tuple(PackFile(**f) for f in d.get("files", ())),
         provenance=Provenance(**prov),
-        gate_summary=d.get("gate_summary", {}),
+        gate_summary=GateSummary.from_json(d.get("gate_summary")),
         align_bytes=build.get("align_bytes", 16),
-        graphs=d.get("graphs", {}),
+        graphs=GraphVerdict.from_json(d.get("graphs")),
+        fused=tuple(FusedKernel(**{**f, "sites": tuple(f.get("sites", ()))}) for f in d.get("fused", ())),
     )
 
 
 def dumps(m: Manifest) -> str:
-    return toml_dumps(to_dict(m))
+    return seal(to_dict(m))
+
+
+def seal(doc: dict[str, Any]) -> str:
+    """TOML for a manifest document with its digest (re)computed, as the loader will check it: over
+    the document as TOML gives it back."""
+    body = {k: v for k, v in doc.items() if k != DIGEST_KEY}
+    return tomlwriter.dumps({**body, DIGEST_KEY: manifest_digest(tomllib.loads(tomlwriter.dumps(body)))})
 
 
 def loads(text: str) -> Manifest:
     return from_dict(tomllib.loads(text))
-
-
-# --- a small TOML writer ---------------------------------------------------------------------------
-
-
-def toml_dumps(doc: dict[str, Any]) -> str:
-    """TOML for plain data (None values must already be dropped). Tables nest as [a.b] and [[a.b]]
-    two levels deep; deeper dicts are written inline so each guard argument stays on one line."""
-    lines: list[str] = []
-    _table(lines, (), doc)
-    return "\n".join(lines).strip() + "\n"
-
-
-def _is_table_array(v: Any) -> bool:
-    return isinstance(v, list | tuple) and len(v) > 0 and all(isinstance(x, dict) for x in v)
-
-
-def _table(lines: list[str], path: tuple[str, ...], d: dict[str, Any]) -> None:
-    inline = len(path) >= 2
-    nested = {k: v for k, v in d.items() if not inline and (isinstance(v, dict) or _is_table_array(v))}
-    for k, v in d.items():
-        if k not in nested:
-            lines.append(f"{_key(k)} = {_value(v)}")
-    for k, v in nested.items():
-        sub = (*path, k)
-        if isinstance(v, dict):
-            lines += ["", f"[{'.'.join(map(_key, sub))}]"]
-            _table(lines, sub, v)
-        else:
-            for item in v:
-                lines += ["", f"[[{'.'.join(map(_key, sub))}]]"]
-                _table(lines, sub, item)
-
-
-def _key(k: str) -> str:
-    return k if k and all(c.isalnum() or c in "_-" for c in k) else json.dumps(k)
-
-
-def _value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, int):
-        return str(v)
-    if isinstance(v, float):
-        if math.isnan(v):
-            return "nan"
-        if math.isinf(v):
-            return "inf" if v > 0 else "-inf"
-        return repr(v)
-    if isinstance(v, str):
-        return json.dumps(v)  # a JSON string is a valid TOML basic string
-    if isinstance(v, list | tuple):
-        return "[" + ", ".join(_value(x) for x in v) + "]"
-    if isinstance(v, dict):
-        return "{" + ", ".join(f"{_key(k)} = {_value(x)}" for k, x in v.items()) + "}"
-    raise TypeError(f"cannot write {type(v).__name__} {v!r} to TOML")

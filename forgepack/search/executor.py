@@ -2,7 +2,10 @@
 
 The search only needs `Executor`: ``submit(card, source, samples_path) -> Future[Verdict]`` and
 ``slots`` (how many candidates it can usefully have in flight). `LocalExecutor` implements it on this
-host; a cluster engine can implement the same members.
+host; `forgepack.search.ray_executor.RayExecutor` implements the same members on a Ray cluster
+(`forgepack.pipeline.make_executor` picks one by name). Either way a verdict names the object that was verified and
+timed and carries its sha256 (``diagnostics["binary_sha256"]``): the search keeps that exact file,
+and the pack builder refuses a file whose hash differs.
 
 `LocalExecutor`: each source is compiled by a pool of compiler processes (nvcc / g++, several at
 once), then queued to the evaluation workers, one thread per visible GPU (one for cpu), each owning
@@ -17,6 +20,8 @@ candidates at the same time; one GPU never times two at once.
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import inspect
 import math
 import os
@@ -37,6 +42,8 @@ class Executor(Protocol):
     def submit(self, card: Card, source: str, samples_path: Path | None = None) -> Future: ...
 
     def close(self) -> None: ...
+
+    def summary(self) -> str: ...  # one line: how many evaluators, and any refused
 
 
 def run_all(executor: Executor, jobs: Iterable[tuple[Card, str, Path | None]]) -> Iterator[Any]:
@@ -61,7 +68,7 @@ def default_compile_workers(target: str) -> int:
     return max(1, cores - 1 if target == "cuda" else cores // 2)
 
 
-def _compile(source: str, target: str, arch: str | None) -> Any:
+def compile_candidate(source: str, target: str, arch: str | None) -> Any:
     """Compile, unless the source already breaks a static rule: the evaluator then rejects it as
     `static` from the source alone, and nvcc's seconds are saved."""
     from forgepack import staticcheck
@@ -77,6 +84,51 @@ def supported_options(cls: type, options: dict[str, Any]) -> dict[str, Any]:
     """The options `cls` accepts (e.g. a bench-repetition cap that an older Evaluator lacks)."""
     params = inspect.signature(cls).parameters
     return {k: v for k, v in options.items() if k in params}
+
+
+def file_sha256(path: str | Path) -> str:
+    h = hashlib.sha256()
+    with Path(path).open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def with_object_hash(verdict: Any, sha256: str | None = None) -> Any:
+    """`verdict` with the sha256 of the object it verified in its diagnostics (hashed here unless given)."""
+    if not verdict.binary:
+        return verdict
+    digest = sha256 or file_sha256(verdict.binary)
+    return dataclasses.replace(verdict, diagnostics={**verdict.diagnostics, "binary_sha256": digest})
+
+
+class Pace:
+    """Running mean compile and evaluation times, and the in-flight count they call for.
+
+    Each evaluator needs 1 + compile/evaluate candidates compiling behind the one it evaluates; more
+    would only make the search decide further ahead of its results.
+    """
+
+    def __init__(self, compilers: int, evaluators: int):
+        self.compilers, self.evaluators = compilers, evaluators
+        self._compile_s = 3.0  # seeded with a typical nvcc compile and one evaluation
+        self._evaluate_s = 1.0
+        self._lock = threading.Lock()
+
+    @property
+    def slots(self) -> int:
+        with self._lock:
+            ratio = self._compile_s / max(self._evaluate_s, 1e-3)
+        per_device = 1 + math.ceil(ratio)
+        return max(2, min(self.compilers + self.evaluators, per_device * self.evaluators))
+
+    def observe(self, verdict: Any, compiled: Any, evaluate_s: float) -> None:
+        """Learn from one evaluated candidate (a cache hit or a rejected source says nothing of either)."""
+        with self._lock:
+            if not compiled.cached and compiled.ok:
+                self._compile_s = 0.8 * self._compile_s + 0.2 * compiled.seconds
+            if verdict.category not in ("static", "compile"):
+                self._evaluate_s = 0.8 * self._evaluate_s + 0.2 * evaluate_s
 
 
 class LocalExecutor:
@@ -100,36 +152,30 @@ class LocalExecutor:
         self._timeout_s = timeout_s
         self._evaluator_options = dict(evaluator_options or {})
         self._threads = [
-            threading.Thread(target=self._evaluate_loop, args=(index,), name=f"evaluate-{index}", daemon=True)
-            for index in self.devices
+            threading.Thread(target=self._evaluate_loop, args=(index, slot), name=f"evaluate-{slot}", daemon=True)
+            for slot, index in enumerate(self.devices)
         ]
+        self._started = [threading.Event() for _ in self._threads]
         for thread in self._threads:
             thread.start()
         self.workers = workers
-        self._compile_s = 3.0  # running means, seeded with a typical nvcc compile and one evaluation
-        self._evaluate_s = 1.0
-        self._lock = threading.Lock()
+        self.evaluators = len(self.devices)
+        self._pace = Pace(workers, len(self.devices))
 
     @property
     def slots(self) -> int:
-        """Candidates worth having in flight: enough compiling to keep every device busy, no more.
+        """Candidates worth having in flight: enough compiling to keep every device busy, no more."""
+        return self._pace.slots
 
-        Each device needs 1 + compile/evaluate candidates compiling behind the one it evaluates; more
-        would only make the search decide further ahead of its results.
-        """
-        with self._lock:
-            ratio = self._compile_s / max(self._evaluate_s, 1e-3)
-        per_device = 1 + math.ceil(ratio)
-        return max(2, min(self.workers + len(self.devices), per_device * len(self.devices)))
-
-    def _observe(self, which: str, seconds: float) -> None:
-        with self._lock:
-            name = f"_{which}_s"
-            setattr(self, name, 0.8 * getattr(self, name) + 0.2 * seconds)
+    def summary(self) -> str:
+        """One line for the build: how many evaluators it has."""
+        where = f"{self.target} devices {', '.join(map(str, self.devices))}" if self.target == "cuda" else "cpu"
+        return f"local executor: {self.evaluators} evaluator{'s' if self.evaluators != 1 else ''} ({where}), " \
+               f"{self.workers} compilers"
 
     def submit(self, card: Card, source: str, samples_path: Path | None = None) -> Future:
         result: Future = Future()
-        compiled = self._pool.submit(_compile, source, self.target, self.arch)
+        compiled = self._pool.submit(compile_candidate, source, self.target, self.arch)
         compiled.add_done_callback(lambda done: self._queue.put((card, source, samples_path, done, result)))
         return result
 
@@ -137,7 +183,12 @@ class LocalExecutor:
         """Verdicts of (card, source, samples) jobs, in order."""
         return run_all(self, jobs)
 
-    def _evaluate_loop(self, device_index: int) -> None:
+    def wait_ready(self, timeout: float | None = None) -> None:
+        """Block until every evaluator has its worker up (for benchmarks that time evaluation alone)."""
+        for started in self._started:
+            started.wait(timeout)
+
+    def _evaluate_loop(self, device_index: int, slot: int) -> None:
         from forgepack import familyeval
         from forgepack.evaluate import Evaluator
 
@@ -145,8 +196,11 @@ class LocalExecutor:
         try:
             evaluator = Evaluator(self.target, device_index=device_index, timeout_s=self._timeout_s,
                                   **supported_options(Evaluator, self._evaluator_options))
+            evaluator.start()  # the worker would start anyway before the first job; now it says when
         except BaseException as err:  # every job then fails with it: the search must not wait forever
             broken = err
+        finally:
+            self._started[slot].set()
         try:
             while True:
                 job = self._queue.get()
@@ -162,13 +216,11 @@ class LocalExecutor:
                     verdict = familyeval.evaluate_compiled(  # a family card: over its range
                         evaluator, card, built, source, samples_path=samples_path, margin=self.margin, bench=True
                     )
+                    verdict = with_object_hash(verdict)
                 except BaseException as err:  # reported through the future, never lost in a thread
                     result.set_exception(err)
                 else:
-                    if not built.cached and built.ok:
-                        self._observe("compile", built.seconds)
-                    if verdict.category not in ("static", "compile"):
-                        self._observe("evaluate", time.monotonic() - started)
+                    self._pace.observe(verdict, built, time.monotonic() - started)
                     result.set_result(verdict)
         finally:
             if evaluator is not None:

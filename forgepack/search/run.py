@@ -26,7 +26,7 @@ from forgepack.cards import Card
 from forgepack.errors import ForgepackError
 from forgepack.search import allocator
 from forgepack.search.allocator import CallResult, Config, Decision, PlanRow
-from forgepack.search.executor import Executor
+from forgepack.search.executor import Executor, file_sha256
 from forgepack.search.proposers import NothingToPropose, Parent, Proposal, Proposer
 from forgepack.search.store import CallRecord, CandidateRecord, Store, VerdictRow
 from forgepack.search.tree import Tree, TreeConfig
@@ -412,6 +412,11 @@ class Search:
         dest = self.ws.root / rel
         dest.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(verdict.binary, dest)
+        verified = verdict.diagnostics.get("binary_sha256")
+        if verified and file_sha256(dest) != verified:
+            dest.unlink()
+            raise ForgepackError(f"candidate #{cand.id}: {verdict.binary} is not the object that was verified and "
+                                 f"timed (its sha256 differs from {verified[:16]}); run the build again")
         return rel
 
     # --- results ---------------------------------------------------------------------------------
@@ -444,6 +449,7 @@ class Search:
                     candidate_id=rec.id,
                     kind=card.kind,
                     needs=needs_of(card, self.settings.target, rec.params) if card.kind == "op" else None,
+                    binary_sha256=(rec.verdict or {}).get("diagnostics", {}).get("binary_sha256", ""),
                 )
             )
         return sorted(out, key=lambda k: -self.cards[k.card_id].profile.share)

@@ -16,6 +16,7 @@ with ``synchronous=NORMAL`` survives a killed process (only a power cut can lose
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sqlite3
 import time
@@ -333,16 +334,58 @@ def _loads(text: str | None) -> Any:
     return None if text is None else json.loads(text)
 
 
-def _call(row: sqlite3.Row) -> CallRecord:
-    data = dict(row)
-    data["decision"] = _loads(data["decision"])
-    return CallRecord(**data)
+def _loads_or_none(text: str | None) -> Any:
+    """A snapshot reader's JSON: unreadable text (a newer or damaged store) reads as absent."""
+    try:
+        return _loads(text)
+    except ValueError:
+        return None
 
 
-def _candidate(row: sqlite3.Row) -> CandidateRecord:
+def _known(cls: type, data: dict[str, Any]) -> Any:
+    """`cls(**data)` keeping only its fields, so a store written by a newer forgepack still reads."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{k: v for k, v in data.items() if k in names})
+
+
+def _call(row: sqlite3.Row, loads=_loads) -> CallRecord:
     data = dict(row)
-    data["params"] = json.loads(data["params"])
-    data["verdict"] = _loads(data["verdict"])
-    if data["accepted"] is not None:
+    data["decision"] = loads(data.get("decision"))
+    return _known(CallRecord, data)
+
+
+def _candidate(row: sqlite3.Row, loads=_loads) -> CandidateRecord:
+    data = dict(row)
+    data["params"] = loads(data.get("params")) or {}
+    data["verdict"] = loads(data.get("verdict"))
+    if data.get("accepted") is not None:
         data["accepted"] = bool(data["accepted"])
-    return CandidateRecord(**data)
+    return _known(CandidateRecord, data)
+
+
+# --- a read-only snapshot, for readers beside a running build -------------------------------------
+
+
+def read_snapshot(path: str | Path) -> tuple[tuple[CallRecord, ...], tuple[CandidateRecord, ...]]:
+    """The store's calls and candidates, read-only, in one read transaction (a snapshot of a running build).
+
+    WAL lets this read alongside the build's writer. A store on a read-only filesystem, whose shared
+    memory file cannot be created, is opened as immutable instead. A store without the tables (not yet
+    written) reads as empty.
+    """
+    uri = Path(path).resolve().as_uri()
+    try:
+        db = sqlite3.connect(f"{uri}?mode=ro", uri=True, timeout=10.0, isolation_level=None)
+        db.execute("SELECT 1 FROM sqlite_master").fetchone()
+    except sqlite3.OperationalError:
+        db = sqlite3.connect(f"{uri}?immutable=1", uri=True, isolation_level=None)
+    db.row_factory = sqlite3.Row
+    try:
+        db.execute("BEGIN")
+        tables = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        calls = db.execute("SELECT * FROM calls ORDER BY id").fetchall() if "calls" in tables else []
+        cands = db.execute("SELECT * FROM candidates ORDER BY id").fetchall() if "candidates" in tables else []
+        db.execute("COMMIT")
+    finally:
+        db.close()
+    return (tuple(_call(r, _loads_or_none) for r in calls), tuple(_candidate(r, _loads_or_none) for r in cands))

@@ -28,17 +28,17 @@ REGISTRY: tuple[Template, ...] = (elementwise.TEMPLATES + rowreduce.TEMPLATES + 
 FAMILIES = ("elementwise", "rowreduce", "norm", "pool", "fused", "gemm")
 
 
-def templates_for(card: Card, target: str) -> list[Template]:
-    """The templates whose `supports()` accepts this card on this target."""
-    return [t for t in REGISTRY if t.supports(card, target) is None]
+def templates_for(card: Card, target: str, arch: str | None = None) -> list[Template]:
+    """The templates whose `supports()` accepts this card on this target (and GPU arch, when given)."""
+    return [t for t in REGISTRY if t.supports(card, target, arch) is None]
 
 
-def refusals(card: Card, target: str) -> dict[str, str]:
+def refusals(card: Card, target: str, arch: str | None = None) -> dict[str, str]:
     """Why each template that names the card's op refuses it (for reports and the proposer's log)."""
     out = {}
     for t in REGISTRY:
         if card.op in t.ops:
-            reason = t.supports(card, target)
+            reason = t.supports(card, target, arch)
             if reason:
                 out[t.name] = reason
     return out

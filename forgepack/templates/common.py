@@ -454,11 +454,15 @@ class Template:
     family: str  # "rowreduce" | "norm" | "elementwise" | "pool"
     targets: tuple[str, ...]
     ops: tuple[str, ...]  # op overloads served, e.g. ("aten._softmax.default",)
+    archs: tuple[str, ...] = ()  # cuda archs whose instructions the kernel needs (empty: any)
 
     generic = False  # renders size-generic kernels for family cards (`forgepack.templates.generic`)
 
-    def supports(self, card: Card, target: str) -> str | None:
-        """None if this template serves the card on `target`; else the reason it refuses."""
+    def supports(self, card: Card, target: str, arch: str | None = None) -> str | None:
+        """None if this template serves the card on `target`; else the reason it refuses. `arch`: the
+        GPU the pack is built for (the recipe's or the profiled device's); None checks no arch."""
+        if target == "cuda" and arch and self.archs and arch.removesuffix("a") not in self.archs:
+            return f"{self.name} needs {' or '.join(self.archs)}; the target is {arch}"
         result = self._checked_plan(card, target)
         return result if isinstance(result, str) else None
 

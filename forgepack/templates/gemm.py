@@ -30,7 +30,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from forgepack.cards import Card
-from forgepack.compile import default_arch
 from forgepack.needs import Align, Needs
 from forgepack.templates import generic as generic_mod
 from forgepack.templates.common import (
@@ -270,12 +269,10 @@ WG_BK = 64  # one 128-byte swizzle row of fp16/bf16 per operand row
 class WgmmaTemplate(GemmTemplate):
     """The same product on Hopper's warpgroup MMA: operands read by the tensor cores straight from
     128-byte-swizzled shared memory, which WMMA's register-fragment loads cannot match. The default
-    is the fastest point measured on GPT-2's LM head (128x128, 3 stages, two blocks per SM)."""
+    is the fastest point measured on GPT-2's LM head (128x128, 3 stages, two blocks per SM).
+    Hopper only (`archs`): the target's arch comes from the recipe or the profiled GPU, not this host."""
 
     def plan(self, card: Card, target: str):
-        arch = default_arch()
-        if arch != "sm_90":
-            return f"wgmma is Hopper's (sm_90); this machine compiles for {arch}"
         plan = super().plan(card, target)
         if isinstance(plan, GemmPlan) and plan.k % WG_BK:
             return f"K must be a multiple of {WG_BK}"
@@ -622,6 +619,6 @@ FP_FN void fp_unpack8(const uint4& v, float* f) {{
 
 TEMPLATES = (
     GemmTemplate("gemm.mm_unaligned", "gemm", ("cuda", "cpu"), ("aten.mm.default",)),
-    WgmmaTemplate("gemm.mm_unaligned_wgmma", "gemm", ("cuda",), ("aten.mm.default",)),
+    WgmmaTemplate("gemm.mm_unaligned_wgmma", "gemm", ("cuda",), ("aten.mm.default",), archs=("sm_90",)),
     GemvTemplate("gemm.mv_rows", "gemm", ("cuda",), ("aten.mm.default",)),
 )

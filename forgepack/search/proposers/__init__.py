@@ -11,6 +11,11 @@ A proposer is asked for one child of a node of a card's search tree:
   diagnostics, malformed replies), newest last;
 - ``tried``: parameter keys already proposed from this parent (a deterministic proposer skips them).
 
+Every proposer is made by `make(name, target=..., arch=..., facts=..., model=...)`: the target, the
+GPU arch the pack is built for and the device facts (`forgepack.pipeline.TargetFacts.prompt()`) are
+gathered once by the pipeline and passed in; a proposer ignores what it has no use for.
+`preflight(name, **options)` fails before any work when a proposer cannot run here (no API key).
+
 It returns a `Proposal` (``source`` None when the reply held no kernel: the call still counts, and its
 ``feedback`` goes to the next call), or raises `NothingToPropose` when it has nothing new from this
 parent; that costs nothing and marks the node exhausted.
@@ -57,6 +62,11 @@ class Proposer(Protocol):
     name: str  # registry name; the budget counts calls per name
     paid: bool  # whether calls cost money (and count against --max-cost)
 
+    @classmethod
+    def preflight(cls, **options: Any) -> Any:
+        """Raise a ForgepackError when this proposer cannot run with `options` (before any work)."""
+        ...
+
     def unsupported(self, card: Card) -> str | None:
         """Why this proposer cannot write kernels for `card`, or None if it can."""
         ...
@@ -78,9 +88,18 @@ REGISTRY: dict[str, tuple[str, str]] = {
 }
 
 
-def make(name: str, **options: Any) -> Proposer:
-    """A proposer by registry name; options go to its constructor."""
+def _class(name: str) -> type[Proposer]:
     if name not in REGISTRY:
         raise UsageError(f"unknown proposer {name!r} (known: {', '.join(REGISTRY)})")
     module, cls = REGISTRY[name]
-    return getattr(importlib.import_module(module), cls)(**options)
+    return getattr(importlib.import_module(module), cls)
+
+
+def make(name: str, **options: Any) -> Proposer:
+    """A proposer by registry name; options go to its constructor."""
+    return _class(name)(**options)
+
+
+def preflight(name: str, **options: Any) -> None:
+    """Fail now, with the reason, when proposer `name` could not be made with `options` later."""
+    _class(name).preflight(**options)

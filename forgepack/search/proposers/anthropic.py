@@ -64,6 +64,7 @@ class AnthropicProposer:
         target: str = "cuda",
         model: str | None = None,
         facts: dict[str, Any] | None = None,
+        arch: str | None = None,  # in `facts` already (the prompt's device line)
         api_key: str | None = None,
         base_url: str | None = None,
         max_tokens: int = 8192,
@@ -75,17 +76,10 @@ class AnthropicProposer:
     ):
         self.target = target
         self.model = model or DEFAULT_MODEL
-        prices.price(self.model)  # refuse a model we cannot price before spending anything
         self.facts = dict(facts or {})
-        key = api_key or os.environ.get(KEY_ENV)
-        if not key:
-            raise ForgepackError(
-                f"{KEY_ENV} is not set: export {KEY_ENV}=... (or use --proposer templates, which needs no key)"
-            )
-        try:
-            import anthropic
-        except ImportError:
-            raise ForgepackError("the anthropic proposer needs the SDK: pip install 'forgepack[anthropic]'") from None
+        key = self.preflight(model=self.model, api_key=api_key)
+        import anthropic
+
         self._sdk = anthropic
         # The SDK's own retries are off: `_create` retries, so attempts are bounded and visible.
         self.client = anthropic.Anthropic(
@@ -99,6 +93,21 @@ class AnthropicProposer:
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
         self.sleep = sleep
+
+    @classmethod
+    def preflight(cls, model: str | None = None, api_key: str | None = None, **_options: Any) -> str:
+        """The API key, once the model can be priced, the key is set and the SDK is installed."""
+        prices.price(model or DEFAULT_MODEL)  # refuse a model we cannot price before spending anything
+        key = api_key or os.environ.get(KEY_ENV)
+        if not key:
+            raise ForgepackError(
+                f"{KEY_ENV} is not set: export {KEY_ENV}=... (or use --proposer templates, which needs no key)"
+            )
+        try:
+            import anthropic  # noqa: F401
+        except ImportError:
+            raise ForgepackError("the anthropic proposer needs the SDK: pip install 'forgepack[anthropic]'") from None
+        return key
 
     @property
     def label(self) -> str:

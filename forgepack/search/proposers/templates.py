@@ -23,18 +23,21 @@ class TemplatesProposer:
     name = "templates"
     paid = False
 
-    def __init__(self, target: str = "cuda", **_options: Any):
+    def __init__(self, target: str = "cuda", arch: str | None = None, **_options: Any):
         from forgepack import templates  # lazy: the registry may be imported without the template code
 
         self._lib = templates
         self.target = target
+        self.arch = arch  # the GPU the pack is built for: arch-specific templates (wgmma) need theirs
         self._cache: dict[str, list] = {}
+
+    @classmethod
+    def preflight(cls, **_options: Any) -> None:
+        """Offline and free: it can always run."""
 
     def _templates(self, card: Card) -> list:
         if card.id not in self._cache:
-            found = self._lib.templates_for(card, self.target)
-            # `supports` returns None when the template serves the card, else the reason it refuses
-            self._cache[card.id] = [t for t in found if t.supports(card, self.target) is None]
+            self._cache[card.id] = self._lib.templates_for(card, self.target, self.arch)
         return self._cache[card.id]
 
     def unsupported(self, card: Card) -> str | None:

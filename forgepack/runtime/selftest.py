@@ -12,33 +12,30 @@ Imports only torch and the standard library.
 from __future__ import annotations
 
 import sys
-from typing import Any
 
 import torch
+
+from . import stockcall
+from .packinfo import OutputTolerance, TensorRecord, VariantInfo
 
 FRESH_INPUTS = 3
 _FLOAT = ("float32", "float16", "bfloat16", "float64")
 
 
-def resolve(op: str):
-    ns, name, overload = op.split(".")
-    return getattr(getattr(getattr(torch.ops, ns), name), overload)
-
-
-def _span(meta: dict) -> int:
-    if any(n == 0 for n in meta["shape"]):
+def _span(meta: TensorRecord) -> int:
+    if any(n == 0 for n in meta.shape):
         return 0
-    return 1 + sum((n - 1) * abs(s) for n, s in zip(meta["shape"], meta["stride"], strict=True))
+    return 1 + sum((n - 1) * abs(s) for n, s in zip(meta.shape, meta.stride, strict=True))
 
 
-def draw(meta: dict, gen: torch.Generator, device: torch.device, edge: bool = False) -> torch.Tensor:
+def draw(meta: TensorRecord, gen: torch.Generator, device: torch.device, edge: bool = False) -> torch.Tensor:
     """A tensor in the recorded layout (same storage offset, so the same pointer alignment)."""
-    n, offset = _span(meta), meta.get("storage_offset", 0)
-    stats = meta.get("stats") or {}
-    dtype = getattr(torch, meta["dtype"])
-    if meta["dtype"] == "bool":
+    n, offset = _span(meta), meta.storage_offset
+    stats = meta.stats
+    dtype = getattr(torch, meta.dtype)
+    if meta.dtype == "bool":
         values = torch.rand(n, generator=gen) < 0.5
-    elif meta["dtype"] in _FLOAT:
+    elif meta.dtype in _FLOAT:
         std = stats.get("std", 1.0) or max(abs(stats.get("mean", 0.0)), 1.0)
         values = torch.randn(n, generator=gen, dtype=torch.float64) * std + stats.get("mean", 0.0)
         if stats.get("min", -1.0) >= 0:
@@ -53,74 +50,39 @@ def draw(meta: dict, gen: torch.Generator, device: torch.device, edge: bool = Fa
     storage = torch.empty(offset + n, dtype=dtype, device=device)
     if n:
         storage[offset:].copy_(values.to(dtype))
-    return torch.as_strided(storage, meta["shape"], meta["stride"], offset)
+    return torch.as_strided(storage, meta.shape, meta.stride, offset)
 
 
-def inputs(variant: dict, seed: int, device: torch.device, edge: bool) -> list[torch.Tensor | None]:
+def inputs(variant: VariantInfo, seed: int, device: torch.device, edge: bool) -> list[torch.Tensor | None]:
     """Tensor inputs in the kernel ABI's order (schema order, lists flattened, None kept)."""
     gen = torch.Generator().manual_seed(seed)
     out: list[torch.Tensor | None] = []
-    for a in variant["args"]:
-        if a["kind"] == "tensor":
-            out.append(draw(a["tensor"], gen, device, edge))
-        elif a["kind"] == "tensors":
-            out.extend(draw(t, gen, device, edge) for t in a["tensors"])
-        elif a["kind"] == "none":
+    for a in variant.args:
+        if a.kind == "tensor":
+            out.append(draw(a.tensor, gen, device, edge))
+        elif a.kind == "tensors":
+            out.extend(draw(t, gen, device, edge) for t in a.tensors)
+        elif a.kind == "none":
             out.append(None)
     return out
 
 
-def call_args(variant: dict, func, tensors: list, device: torch.device) -> tuple[list, dict]:
-    feed = iter(tensors)
-    args: list[Any] = []
-    kwargs: dict[str, Any] = {}
-    for schema_arg, a in zip(func._schema.arguments, variant["args"], strict=True):
-        kind = a["kind"]
-        if kind == "tensor":
-            value = next(feed)
-        elif kind == "tensors":
-            value = [next(feed) for _ in a["tensors"]]
-        elif kind == "none":
-            value = next(feed)
-        else:
-            value = _decode(str(schema_arg.type), a.get("value"), device)
-        if schema_arg.kwarg_only:
-            kwargs[schema_arg.name] = value
-        else:
-            args.append(value)
-    return args, kwargs
+def call_args(variant: VariantInfo, func, tensors: list, device: torch.device) -> tuple[list, dict]:
+    return stockcall.call_args(func, [a.recorded() for a in variant.args], tensors, device)
 
 
-def _decode(type_str: str, value: Any, device: torch.device) -> Any:
-    if value is None:
-        return None
-    if any(t in type_str for t in ("ScalarType", "Layout", "MemoryFormat")):
-        return getattr(torch, value)
-    if "Device" in type_str:
-        return device
-    return value
-
-
-def flatten(result: Any) -> list[torch.Tensor]:
-    if isinstance(result, torch.Tensor):
-        return [result]
-    if isinstance(result, list | tuple):
-        return [t for r in result for t in flatten(r)]
-    return []
-
-
-def compare(out: torch.Tensor, ref: torch.Tensor, tol: dict) -> tuple[str | None, float]:
+def compare(out: torch.Tensor, ref: torch.Tensor, tol: OutputTolerance) -> tuple[str | None, float]:
     """(what is wrong or None, max abs error over finite elements)."""
     if out.dtype != ref.dtype or out.shape != ref.shape:
         return f"got {out.dtype}{list(out.shape)}, stock gives {ref.dtype}{list(ref.shape)}", float("inf")
     if out.stride() != ref.stride():
         return f"output strides {out.stride()} differ from stock's {ref.stride()}", float("inf")
-    if tol.get("rtol", 0.0) == 0.0 and tol.get("atol", 0.0) == 0.0:
+    if tol.rtol == 0.0 and tol.atol == 0.0:
         bad = int((out != ref).sum()) if out.dtype != torch.bool else int((out ^ ref).sum())
         return (f"{bad} elements differ (exact dtype)" if bad else None), float(bad)
     o, r = out.to(torch.float64), ref.to(torch.float64)
     both = torch.isfinite(o) & torch.isfinite(r)
-    close = (o - r).abs() <= tol["atol"] + tol["rtol"] * r.abs()
+    close = (o - r).abs() <= tol.atol + tol.rtol * r.abs()
     ok = (o == r) | (torch.isnan(o) & torch.isnan(r)) | (both & close)
     err = float((o - r).abs()[both].max()) if bool(both.any()) else 0.0
     bad = int((~ok).sum())
@@ -148,23 +110,23 @@ def _restore_precision(saved: list) -> None:
         setattr(owner, name, value)
 
 
-def check_variant(pack, variant: dict, device: torch.device, seeds: int) -> tuple[str, int, float]:
+def check_variant(pack, variant: VariantInfo, device: torch.device, seeds: int) -> tuple[str, int, float]:
     """(problem or "", input sets checked, max abs error) for one variant."""
-    func = resolve(variant["op"])
+    func = stockcall.resolve(variant.op)
     sets = [(seed, False) for seed in range(seeds)] + [(seeds, True)]
     worst = 0.0
     for n, (seed, edge) in enumerate(sets, start=1):
         tensors = inputs(variant, 1000 + seed, device, edge)
         args, kwargs = call_args(variant, func, tensors, device)
         pack.deactivate()
-        ref = flatten(func(*args, **kwargs))
+        ref = stockcall.flatten_outputs(func(*args, **kwargs))
         pack.activate(strict=True)
-        before = pack.stats()[variant["id"]]["hits"]
-        got = flatten(func(*args, **kwargs))
-        if pack.stats()[variant["id"]]["hits"] != before + 1:
+        before = pack.stats()[variant.id]["hits"]
+        got = stockcall.flatten_outputs(func(*args, **kwargs))
+        if pack.stats()[variant.id]["hits"] != before + 1:
             return "the guard did not send its own variant to the kernel", n, worst
         for j, (o, r) in enumerate(zip(got, ref, strict=True)):
-            problem, err = compare(o, r, variant["tolerance"][j])
+            problem, err = compare(o, r, variant.tolerance[j])
             worst = max(worst, err)
             if problem:
                 kind = "edge input" if edge else f"input {seed}"
@@ -175,6 +137,10 @@ def check_variant(pack, variant: dict, device: torch.device, seeds: int) -> tupl
 def selftest(pack, seeds: int = FRESH_INPUTS, stream=None) -> int:
     """Print a table; 0 when every kernel passes here, 1 otherwise (or when the pack cannot run here)."""
     stream = stream or sys.stdout
+    if pack.disabled():  # what the user asked for: nothing runs, so nothing is wrong
+        print(f"selftest: {pack.__name__} is disabled (FORGEPACK_DISABLE is set): stock PyTorch runs, "
+              "no kernel checked", file=stream)
+        return 0
     try:
         pack.activate(strict=True)
     except pack.PackError as err:
@@ -182,23 +148,30 @@ def selftest(pack, seeds: int = FRESH_INPUTS, stream=None) -> int:
         return 1
     _, devices = pack.environment_problem()
     m = pack.manifest()
-    device = torch.device("cuda", devices[0]) if m["target"]["device"] == "cuda" else torch.device("cpu")
+    device = torch.device("cuda", devices[0]) if m.device == "cuda" else torch.device("cpu")
     saved = _strict_precision()
     rows, failed = [], 0
     try:
-        for v in m.get("variants", []):
+        for v in m.variants:
             try:
                 problem, checked, err = check_variant(pack, v, device, seeds)
             except Exception as exc:  # report every variant, whatever one of them does
                 problem, checked, err = f"{type(exc).__name__}: {str(exc).splitlines()[0]}", 0, float("nan")
             failed += bool(problem)
-            rows.append((v["id"], v.get("signature", ""), str(checked), f"{err:.2e}", problem or "ok"))
+            rows.append((v.id, v.signature, str(checked), f"{err:.2e}", problem or "ok"))
     finally:
         _restore_precision(saved)
         pack.deactivate()
+    fused = pack.fused_kernels()
+    # A fused kernel replaces a module's forward: it has no single stock op to be compared with here;
+    # the build's gate checked it inside the model.
+    rows += [(f["id"], f.get("signature", ""), "-", "-", "fused: not re-checked here (checked in the model "
+              "by the build's gate)") for f in fused]
     _table(("variant", "signature", "inputs", "max abs err", "result"), rows, stream)
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    print(f"{m['name']} on {where}: {len(rows) - failed} of {len(rows)} kernels verified", file=stream)
+    n = len(rows) - len(fused)
+    also = f"; {len(fused)} fused kernels not re-checked" if fused else ""
+    print(f"{m.name} on {where}: {n - failed} of {n} kernels verified{also}", file=stream)
     return 1 if failed else 0
 
 

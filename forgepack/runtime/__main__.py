@@ -20,9 +20,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "selftest":
         return from_pack.selftest(pack, seeds=args.inputs)
     m = pack.manifest()
-    target = m["target"]
-    print(f"{m['name']} {m['version']}: {len(m.get('variants', []))} kernels for {m['model'].get('recipe', '?')}")
-    print(f"built for torch {m['build']['torch']}, {target['device']} {target.get('arch', '')}".rstrip())
+    ops, fused = len(m.variants), len(pack.fused_kernels())
+    kinds = f" ({ops} operator, {fused} fused)" if fused else ""
+    print(f"{m.name} {m.version}: {ops + fused} kernels{kinds} for {m.recipe}")
+    print(f"built for torch {m.torch}, {m.device} {m.arch}".rstrip())
     problem, _ = pack.environment_problem()
     print(f"here: {problem or 'can run'}")
     return 0

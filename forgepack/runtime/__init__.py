@@ -13,8 +13,9 @@ capability, non-tensor arguments, no autograd needed); anything else runs the st
 when the pack was activated, so its results are bit-identical to stock PyTorch.
 
 The pack never breaks its caller: on another torch version, CUDA version or GPU arch it warns and
-does nothing. It refuses to load a file whose sha256 differs from the manifest (a warning that names
-the file; `activate(strict=True)` raises instead). `FORGEPACK_DISABLE=1` turns `activate()` into a
+does nothing. It refuses to load a file whose sha256 differs from the manifest, a file the manifest
+does not list, and a manifest whose own digest is not its content's (a warning that names the file;
+`activate(strict=True)` raises instead). `FORGEPACK_DISABLE=1` turns `activate()` into a
 logged no-op. `python -m <package> selftest` re-verifies every kernel on this machine.
 
 This file is forgepack's pack runtime, copied into every pack; it imports only torch and the
@@ -34,11 +35,13 @@ from typing import Any
 
 import torch
 
+from .packinfo import PackInfo
+
 HERE = Path(__file__).resolve().parent
 _LOG = logging.getLogger(__name__)
 _LOCK = threading.RLock()
 _STATE: dict[str, Any] = {"manifest": None, "verified": False, "loaded": False, "active": False,
-                          "graphs": False, "generation": 0, "fused": None}
+                          "graphs": False, "generation": 0, "fused": None, "mismatch": False}
 
 
 class PackError(RuntimeError):
@@ -48,19 +51,27 @@ class PackError(RuntimeError):
 # --- the manifest ------------------------------------------------------------------------------------
 
 
-def manifest() -> dict[str, Any]:
-    """The pack's manifest.toml as plain data (read once)."""
+def manifest() -> PackInfo:
+    """The pack's manifest.toml as the runtime reads it (`packinfo.PackInfo`, read once)."""
     if _STATE["manifest"] is None:
         try:
             import tomllib
         except ModuleNotFoundError:  # Python 3.10
             import tomli as tomllib
-        _STATE["manifest"] = tomllib.loads((HERE / "manifest.toml").read_text())
+        _STATE["manifest"] = PackInfo.from_dict(tomllib.loads((HERE / "manifest.toml").read_text()))
     return _STATE["manifest"]
 
 
+def _readable_manifest() -> PackInfo | None:
+    """The manifest, or None when it cannot be read (for stats() after a refused activate)."""
+    try:
+        return manifest()
+    except Exception:  # a refused activate() already said why
+        return None
+
+
 def _op_ids() -> list[str]:
-    return [v["id"] for v in manifest().get("variants", [])]
+    return [v.id for v in manifest().variants]
 
 
 def _fused():
@@ -97,18 +108,17 @@ def _arch_of(capability: tuple[int, int]) -> str:
 def environment_problem() -> tuple[str | None, list[int]]:
     """(why this pack cannot run in this process, or None; the CUDA devices whose arch is the pack's)."""
     m = manifest()
-    build, target = m["build"], m["target"]
-    if _major_minor(torch.__version__) != _major_minor(build["torch"]):
-        return f"built for torch {build['torch']}, this is torch {torch.__version__}", []
-    if bool(torch._C._GLIBCXX_USE_CXX11_ABI) != bool(build["cxx11_abi"]):
+    if _major_minor(torch.__version__) != _major_minor(m.torch):
+        return f"built for torch {m.torch}, this is torch {torch.__version__}", []
+    if bool(torch._C._GLIBCXX_USE_CXX11_ABI) != m.cxx11_abi:
         return "built for the other C++ ABI of torch (_GLIBCXX_USE_CXX11_ABI differs)", []
-    if target["device"] != "cuda":
+    if m.device != "cuda":
         return None, []
-    if _major_minor(torch.version.cuda) != _major_minor(build.get("cuda")):
-        return f"built for CUDA {build.get('cuda')}, this torch uses CUDA {torch.version.cuda}", []
+    if _major_minor(torch.version.cuda) != _major_minor(m.cuda):
+        return f"built for CUDA {m.cuda}, this torch uses CUDA {torch.version.cuda}", []
     if not torch.cuda.is_available():
         return "built for CUDA GPUs, and no CUDA GPU is visible", []
-    want = target.get("arch", "").removesuffix("a")
+    want = m.arch.removesuffix("a")
     devices = [i for i in range(torch.cuda.device_count()) if _arch_of(torch.cuda.get_device_capability(i)) == want]
     if not devices:
         have = sorted({_arch_of(torch.cuda.get_device_capability(i)) for i in range(torch.cuda.device_count())})
@@ -125,13 +135,22 @@ def _sha256(path: Path) -> str:
 
 
 def file_problem() -> str | None:
-    """The first file whose digest is not the manifest's, named; None when every file checks out."""
-    for entry in manifest().get("files", []):
-        path = HERE / entry["path"]
+    """What fails the pack's integrity check, named: the manifest's own digest, a file whose digest is
+    not the manifest's, or a file the manifest does not list; None when everything checks out."""
+    m = manifest()
+    if m.digest != m.content_digest:
+        return "manifest.toml does not match its own digest (modified or corrupt): refusing to load"
+    listed = {entry.path for entry in m.files}
+    for entry in m.files:
+        path = HERE / entry.path
         if not path.is_file():
-            return f"{entry['path']} is missing from the pack"
-        if _sha256(path) != entry["sha256"]:
-            return f"{entry['path']} does not match its sha256 in the manifest (modified or corrupt): refusing to load"
+            return f"{entry.path} is missing from the pack"
+        if _sha256(path) != entry.sha256:
+            return f"{entry.path} does not match its sha256 in the manifest (modified or corrupt): refusing to load"
+    for path in sorted(HERE.rglob("*")):
+        rel = path.relative_to(HERE).as_posix()
+        if path.is_file() and rel != "manifest.toml" and "__pycache__" not in path.parts and rel not in listed:
+            return f"{rel} is not listed in the manifest: refusing to load"
     return None
 
 
@@ -139,7 +158,7 @@ def file_problem() -> str | None:
 
 
 def _ops():
-    return getattr(torch.ops, manifest()["shim"]["namespace"])
+    return getattr(torch.ops, manifest().namespace)
 
 
 def _refuse(reason: str, strict: bool, depth: int = 4) -> bool:
@@ -150,8 +169,16 @@ def _refuse(reason: str, strict: bool, depth: int = 4) -> bool:
     return False
 
 
-def _disabled() -> bool:
+def disabled() -> bool:
+    """FORGEPACK_DISABLE is set: activate() is a logged no-op."""
     return os.environ.get("FORGEPACK_DISABLE", "").strip().lower() not in ("", "0", "false", "no")
+
+
+def fused_kernels() -> list[dict[str, Any]]:
+    """The pack's fused kernels (module-level chains) as modules.json lists them: id, op, signature,
+    calls, sites."""
+    fused = _fused()
+    return list(fused.spec.get("variants", [])) if fused else []
 
 
 def activate(strict: bool = False, graphs: bool = False, model: Any = None, **graph_options: Any) -> bool:
@@ -165,18 +192,24 @@ def activate(strict: bool = False, graphs: bool = False, model: Any = None, **gr
     pack's kernels inside (`graphs.GraphedForward`; `graph_options` are its options): for `model` if
     given, else for every instance of the model class the pack was built for. Where the build found
     the forward unsafe to capture, the manifest says why and graph mode stays off (one warning).
+    For a causal LM `model`, `generate()` is served too (`serving.py`): forgepack's static cache per
+    batch bucket, padded batch and prompt buckets, one replay per decode step, and transformers'
+    automatic torch.compile turned off for that model. `serve=False` keeps graph mode to the forward
+    (the old behaviour); `graphs=False` gives generate() its own compile back. Bucket options
+    (`batch_buckets`, `prompt_buckets`, `cache_lengths`, `max_cache_len`) join `graph_options`;
+    `warmup(model, ...)` captures before the first request.
 
     Given `model`, it also checks that the model is laid out as the pack was built for: a pack built
     for a channels-last model on an NCHW one would be correct but useless (every guard misses), so
     that gets a warning saying how to convert it.
     """
     with _LOCK:
-        if _disabled():
+        if disabled():
             _LOG.warning("%s: FORGEPACK_DISABLE is set; not activating (stock PyTorch runs)", __name__)
             return False
         try:
             ok = _STATE["active"] or _activate(strict)
-            problem = layout_problem(model, manifest().get("workload", {})) if ok and model is not None else None
+            problem = layout_problem(model, manifest().memory_format) if ok and model is not None else None
             if problem:
                 warnings.warn(f"{__name__}: {problem}", RuntimeWarning, stacklevel=3)
             if ok and graphs:
@@ -189,10 +222,11 @@ def activate(strict: bool = False, graphs: bool = False, model: Any = None, **gr
             return _refuse(f"could not activate ({type(err).__name__}: {first})", strict, depth=3)
 
 
-def layout_problem(model: Any, workload: dict[str, Any]) -> str | None:
+def layout_problem(model: Any, memory_format: str) -> str | None:
     """Why `model` will not hit this pack's kernels for its layout, or None: the pack was built for a
-    channels-last model and some 4-d weight (a convolution's) is not channels-last."""
-    if workload.get("memory_format") != "channels_last" or not hasattr(model, "parameters"):
+    channels-last model (`memory_format`, the manifest's) and some 4-d weight (a convolution's) is not
+    channels-last."""
+    if memory_format != "channels_last" or not hasattr(model, "parameters"):
         return None
     weights = [p for p in model.parameters() if p.dim() == 4]
     if all(p.is_contiguous(memory_format=torch.channels_last) for p in weights):
@@ -203,7 +237,7 @@ def layout_problem(model: Any, workload: dict[str, Any]) -> str | None:
 
 
 def _model_class() -> type | None:
-    name = manifest().get("model", {}).get("arch")
+    name = manifest().model_arch
     if not name:
         return None
     import transformers
@@ -214,9 +248,9 @@ def _model_class() -> type | None:
 def _enable_graphs(model: Any, options: dict[str, Any]) -> None:
     from . import graphs as graphs_mod
 
-    verdict = manifest().get("graphs", {})
-    if verdict.get("enabled") is False:
-        warnings.warn(f"{__name__}: graph mode is off for this model: {verdict.get('reason', 'no reason given')}",
+    verdict = manifest().graphs
+    if verdict.enabled is False:
+        warnings.warn(f"{__name__}: graph mode is off for this model: {verdict.reason or 'no reason given'}",
                       RuntimeWarning, stacklevel=4)
         return
     target = model if model is not None else _model_class()
@@ -227,7 +261,12 @@ def _enable_graphs(model: Any, options: dict[str, Any]) -> None:
     # A graph replays the kernels it was captured with: a new generation after every (de)activation
     # keys fresh graphs, so a stale one is never replayed.
     options.setdefault("context_key", lambda: _STATE["generation"])
-    graphs_mod.enable(target, **options)
+    from . import serving
+
+    if options.pop("serve", True) and model is not None and serving.servable(model):
+        serving.serve(model, **options)  # graph mode inside model.generate() (serving.py)
+    else:
+        graphs_mod.enable(target, **options)
     _STATE["graphs"] = True
 
 
@@ -242,19 +281,33 @@ def _activate(strict: bool) -> bool:
         _STATE["verified"] = True
     if _op_ids():
         if not _STATE["loaded"]:
-            torch.ops.load_library(str(HERE / manifest()["shim"]["library"]))
+            torch.ops.load_library(str(HERE / manifest().library))
             _STATE["loaded"] = True
         if list(_ops().variants()) != _op_ids():
+            _STATE["mismatch"] = True  # its counters are not the manifest's variants': stats() reports none
             return _refuse("the shim's variants are not the manifest's", strict)
         _ops().activate(str(HERE), devices)
     fused = _fused()
-    if fused:
-        for target, why in fused.activate(HERE, devices).items():
-            _LOG.info("%s: %s is not patched: %s", __name__, target, why)
+    skipped = fused.activate(HERE, devices) if fused else {}
+    if skipped:
+        # Serving the op kernels without some of the module patches would be a pack other than the one
+        # the gate passed (and another pack may hold those patches): all of it or none.
+        _undo()
+        off = "; ".join(f"{target}: {why}" for target, why in skipped.items())
+        return _refuse(f"not activated, its fused kernels could not patch {off}", strict)
     _STATE["active"] = True
     _STATE["generation"] += 1
     _LOG.info("%s: active, %d kernels", __name__, len(variant_ids()))
     return True
+
+
+def warmup(model: Any, batch_sizes=None, prompt_lengths=(16,), max_new_tokens=(64,), shapes=None,
+           **options: Any) -> dict:
+    """Capture `model.generate()`'s graphs for these buckets before the first request (see serving.py);
+    returns the server's `stats()`."""
+    from . import serving
+
+    return serving.warmup(model, batch_sizes, prompt_lengths, max_new_tokens, shapes, **options)
 
 
 def deactivate() -> None:
@@ -262,15 +315,21 @@ def deactivate() -> None:
     with _LOCK:
         if _STATE["graphs"]:
             from . import graphs as graphs_mod
+            from . import serving
 
+            serving.stop_all()  # generate() is the model's own again
             graphs_mod.disable_all()  # before the kernels go: a graph would replay them
             _STATE["graphs"] = False
-        if _STATE["loaded"]:
-            _ops().deactivate()
-        if _fused():
-            _fused().deactivate()
+        _undo()
         _STATE["active"] = False
         _STATE["generation"] += 1
+
+
+def _undo() -> None:
+    if _STATE["loaded"] and not _STATE["mismatch"]:
+        _ops().deactivate()
+    if _STATE["fused"]:
+        _STATE["fused"].deactivate()
 
 
 def is_active() -> bool:
@@ -292,17 +351,20 @@ def active(strict: bool = False):
 def stats() -> dict[str, dict[str, Any]]:
     """Per variant: its op, `hits` (calls its kernel served), `misses` (calls of its op it did not
     serve), `errors` (calls its kernel refused, served by stock). Counters live as long as the process."""
-    ids = _op_ids()
-    ops = list(dict.fromkeys(v["op"] for v in manifest().get("variants", [])))
-    raw = list(_ops().stats()) if _STATE["loaded"] else [0] * (2 * len(ids) + len(ops))
-    n = len(ids)
+    info = _readable_manifest()
+    variants = info.variants if info is not None else ()
+    ops = list(dict.fromkeys(v.op for v in variants))
+    n = len(variants)
+    # Before a load, or when the loaded shim is not the manifest's (refused), nothing has served a call.
+    counted = _STATE["loaded"] and not _STATE["mismatch"]
+    raw = list(_ops().stats()) if counted else [0] * (2 * n + len(ops))
     calls = dict(zip(ops, raw[2 * n:], strict=True))
     out = {}
-    for k, v in enumerate(manifest().get("variants", [])):
+    for k, v in enumerate(variants):
         hits, errors = raw[k], raw[n + k]
-        out[v["id"]] = {"op": v["op"], "hits": hits, "misses": calls[v["op"]] - hits, "errors": errors}
-    if _fused():
-        out.update(_fused().stats())
+        out[v.id] = {"op": v.op, "hits": hits, "misses": calls[v.op] - hits, "errors": errors}
+    if _STATE["fused"]:  # only once read: a refused activate() may have refused an unreadable pack
+        out.update(_STATE["fused"].stats())
     return out
 
 

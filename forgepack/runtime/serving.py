@@ -1,0 +1,552 @@
+"""Serving: graph mode inside `model.generate()` for causal LMs, with bucketed shapes.
+
+Shipped inside every pack wheel: imports only torch, the standard library and `graphs` (transformers is
+imported lazily, only for a model that has `generate`).
+
+    server = serving.serve(model)            # or pack.activate(graphs=True, model=model)
+    model.generate(ids, max_new_tokens=64)   # decode replays one graph per batch bucket
+    serving.warmup(model, batch_sizes=(1, 4), prompt_lengths=(100, 900), max_new_tokens=(64,))
+    server.stats()                           # replays per bucket, why any call ran eagerly
+
+Why: graph mode keys a graph by the forward's argument shapes and by the addresses of the state it is
+handed. Inside `generate()` with its default `DynamicCache` every decode step is a new signature (the
+cache grows by rebinding), so nothing ever replays; with transformers' static cache a new cache object
+is built per call, and transformers compiles the forward itself.
+
+How a request is served (`Server.generate`):
+1. When the caller passes no cache (or `cache_implementation="static"`), forgepack supplies its own
+   `StaticCache`, one per (batch bucket, cache length): the batch rounds up to a bucket (1, 2, 4, 8),
+   the cache length to the smallest rung of a ladder holding the padded prompt and the new tokens.
+   The cache is `reset()` between requests, in place, so its addresses, and so the graphs captured
+   with it, stay valid. A caller's own `StaticCache` is used as given (its rows are the batch).
+2. transformers' automatic compile is turned off for the served call (`disable_compile=True`): graph
+   mode replays the forward; the two would fight ("torch.compile is tracing").
+3. `generate` runs as written (its logits processors, sampling, stopping, streamers); only the forward
+   it calls is bucketed. The batch is padded to the bucket with copies of row 0 (finite values, rows of
+   their own in the cache) and outputs are sliced back: `generate` never sees a dummy row.
+4. The prefill is right-padded to a rung of a geometric ladder of lengths. Attention is causal, so a
+   real position never sees a padded one; the logits are taken at the last real position (an index
+   tensor for `logits_to_keep`, a value copied into the graph's buffer, so one graph serves every
+   length of the bucket). The padded positions wrote the cache slots after the prompt: the cache's
+   device-side length is moved back to the real length, so decode writes there next and the causal
+   decode mask hides every slot at or after the current position.
+5. Every decode step then has one shape per (bucket, cache length) and the same cache object: after
+   the graph warm-up each step is one replay.
+
+Requests it does not serve run `generate` eagerly and say why in `stats()["eager_requests"]`: beam
+search, assisted generation, `inputs_embeds`, attention/hidden-state outputs, encoder-decoders, a
+caller's cache that is not a `StaticCache`, a batch over the largest bucket, a request longer than the
+largest cache.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import copy
+import functools
+import logging
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from . import graphs
+
+_LOG = logging.getLogger(__name__)
+
+DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8)
+DEFAULT_MAX_CACHE_LEN = 4096
+DEFAULT_MAX_GRAPHS = 128  # (batch buckets x prompt rungs) prefill graphs + (batch x cache) decode graphs
+
+
+def ladder(low: int, high: int, ratio: float = 1.5, multiple: int = 16) -> tuple[int, ...]:
+    """A geometric ladder of lengths from `low` to at least `high`, each a multiple of `multiple`:
+    padding a prompt to the next rung wastes at most `ratio - 1` of its length (16, 32, 48, 64, 96,
+    128, 192, 256, ... for the defaults)."""
+    rungs, n = [], max(multiple, low)
+    while True:
+        rungs.append(n)
+        if n >= high:
+            return tuple(rungs)
+        n = max(n + multiple, round(n * ratio / multiple) * multiple)
+
+
+DEFAULT_PROMPT_BUCKETS = ladder(16, 4096)
+DEFAULT_CACHE_LENGTHS = ladder(256, 1 << 17, ratio=2.0, multiple=256)  # cut at max_cache_len
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """How requests are bucketed. Graph options (`max_bytes`, `warmup`, `pool`, `backend`,
+    `context_key`, `copy_outputs`) go to the model's `GraphedForward`."""
+
+    batch_buckets: tuple[int, ...] = DEFAULT_BATCH_BUCKETS
+    prompt_buckets: tuple[int, ...] = DEFAULT_PROMPT_BUCKETS
+    cache_lengths: tuple[int, ...] = DEFAULT_CACHE_LENGTHS
+    max_cache_len: int = DEFAULT_MAX_CACHE_LEN
+    disable_compile: bool = True
+
+    def __post_init__(self):
+        for name in ("batch_buckets", "prompt_buckets", "cache_lengths"):
+            values = tuple(sorted(int(v) for v in getattr(self, name)))
+            if not values or values[0] < 1:
+                raise ValueError(f"{name} must be positive lengths, got {getattr(self, name)!r}")
+            object.__setattr__(self, name, values)
+        if self.max_cache_len < 1:
+            raise ValueError(f"max_cache_len must be at least 1, got {self.max_cache_len}")
+
+    def batch_bucket(self, batch: int) -> int | None:
+        return next((b for b in self.batch_buckets if b >= batch), None)
+
+    def prompt_bucket(self, length: int) -> int:
+        """The rung a prompt is padded to (the length itself above the last rung)."""
+        return next((p for p in self.prompt_buckets if p >= length), length)
+
+    def cache_length(self, needed: int, cap: int) -> int | None:
+        """The smallest cache length on the ladder holding `needed` tokens, at most `cap`."""
+        limit = min(self.max_cache_len, cap)
+        rung = next((c for c in self.cache_lengths if c >= needed), None)
+        if rung is not None and rung <= limit:
+            return rung
+        return limit if needed <= limit else None
+
+
+_SERVE_KEYS = frozenset(f for f in ServeOptions.__dataclass_fields__)
+
+
+@dataclass
+class _Request:
+    batch: int  # rows generate sees
+    rows: int  # rows the forward runs (the bucket)
+    cache: Any
+    own: bool  # forgepack's cache (reset, sized by us) or the caller's
+    pad_prompt: bool
+    cache_len: int
+    calls: int = 0
+
+
+class _Bucketed:
+    """The forward `generate` calls while a request is served: pads to the bucket, calls the graphed
+    forward, slices back. Outside a served request (another thread) it is the graphed forward."""
+
+    def __init__(self, server: Server):
+        self.server = server
+        functools.update_wrapper(self, server.eager, updated=())  # transformers reads the forward's parameters
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        request = getattr(self.server._local, "request", None)
+        if request is None or args:
+            return self.server.graphed(*args, **kwargs)
+        return self.server._forward(request, kwargs)
+
+
+class _ServedGenerate:
+    """`model.generate` while served. A deep copy of the model gets its class's own `generate` back
+    (a plain function would be shared by the copy, and serve the original model)."""
+
+    def __init__(self, server: Server):
+        self.server = server
+        functools.update_wrapper(self, server._original, updated=())
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.server.generate(*args, **kwargs)
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        twin = memo.get(id(self.server.model))
+        if twin is None:
+            return self
+        return type(twin).generate.__get__(twin)
+
+
+class Server:
+    """Graph mode inside one model's `generate()`. Use `serve(model)` to install one."""
+
+    def __init__(self, model: Any, options: ServeOptions, graph_options: dict[str, Any]):
+        self.model = model
+        self.options = options
+        graph_options = {"max_graphs": DEFAULT_MAX_GRAPHS, **graph_options}
+        self.graphed = graphs.graphed(model) or graphs.enable(model, **graph_options)
+        if self.graphed is None:  # FORGEPACK_DISABLE=1
+            raise RuntimeError("graph mode is disabled (FORGEPACK_DISABLE)")
+        self.eager = graphs.eager_forward(model)
+        self.cache_key = graphs.cache_kwarg(model)
+        self._caches: dict[tuple[int, int], Any] = {}
+        self._lock = threading.RLock()
+        self._local = threading.local()
+        self._requests: collections.Counter = collections.Counter()
+        self._eager_requests: collections.Counter = collections.Counter()
+        self._buckets: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+        had = "generate" in vars(model)
+        self._restore = (had, vars(model).get("generate"))
+        self._original = vars(model)["generate"] if had else type(model).generate.__get__(model)
+        vars(model)["generate"] = _ServedGenerate(self)
+        _SERVERS[model] = self
+        if options.disable_compile:
+            _LOG.info("forgepack graph mode serves %s.generate(): transformers' automatic torch.compile is off "
+                      "for this model (activate(graphs=False), or serve=False, gives it back)", type(model).__name__)
+
+    # -- a request ---------------------------------------------------------------------------------------
+
+    def generate(self, inputs: Any = None, *args: Any, **kwargs: Any) -> Any:
+        """`model.generate`, served through bucketed graphs where the request allows it."""
+        return self._serve(inputs, args, kwargs, None)
+
+    def _serve(self, inputs: Any, args: tuple, kwargs: dict, cache_len: int | None) -> Any:
+        ids = inputs if inputs is not None else kwargs.get("input_ids")
+        plan, why = self._plan(ids, args, kwargs, cache_len)
+        if plan is None:
+            self._eager_requests[why] += 1
+            return self._run(None, inputs, args, kwargs)
+        self._requests["served"] += 1
+        return self._run(plan, inputs, args, kwargs)
+
+    def _run(self, request: _Request | None, inputs: Any, args: tuple, kwargs: dict) -> Any:
+        kwargs = dict(kwargs)
+        if request is not None:
+            if request.own:  # in place of what a generation config may ask for (transformers refuses both)
+                kwargs["cache_implementation"] = None
+                kwargs.pop("past_key_values", None)
+                kwargs[self.cache_key] = request.cache
+            if self.options.disable_compile:
+                kwargs["disable_compile"] = True
+        with self._lock:
+            previous = vars(self.model).get("forward")
+            vars(self.model)["forward"] = _Bucketed(self) if request is not None else self.eager
+            self._local.request = request
+            try:
+                out = self._original(inputs, *args, **kwargs)
+            finally:
+                self._local.request = None
+                if previous is None:
+                    vars(self.model).pop("forward", None)
+                else:
+                    vars(self.model)["forward"] = previous
+        if request is not None and request.own:
+            out = _without_cache(out, request.cache)
+        return out
+
+    def _plan(self, ids: Any, args: tuple, kwargs: dict, cache_len: int | None) -> tuple[_Request | None, str]:
+        """The request's buckets and cache, or (None, why it runs eagerly)."""
+        why = _unservable(self.model, ids, args, kwargs)
+        if why:
+            return None, why
+        config = self.model.generation_config
+        given = kwargs.get("generation_config") or config
+        rows = ids.shape[0] * max(1, int(_setting(kwargs, given, "num_return_sequences") or 1))
+        new = _new_tokens(kwargs, given, ids.shape[1])
+        if new is None:
+            return None, "no max_new_tokens or max_length"
+        cache = kwargs.get(self.cache_key, kwargs.get("past_key_values"))
+        if cache is not None:
+            if type(cache).__name__ != "StaticCache":
+                return None, f"the caller's {type(cache).__name__} is not replayable (pass a StaticCache or none)"
+            return _Request(rows, rows, cache, False, _plain_static(cache), _max_len(cache)), ""
+        implementation = _setting(kwargs, given, "cache_implementation")
+        if implementation not in (None, "static"):
+            return None, f"cache_implementation={implementation!r}"
+        bucket = self.options.batch_bucket(rows)
+        if bucket is None:
+            return None, f"batch {rows} is over the largest bucket ({self.options.batch_buckets[-1]})"
+        prompt = self.options.prompt_bucket(ids.shape[1])
+        cap = int(getattr(self.model.config, "max_position_embeddings", None) or self.options.max_cache_len)
+        length = cache_len or self.options.cache_length(max(prompt, ids.shape[1] + new), cap)
+        if length is None:
+            limit = self.options.max_cache_len
+            return None, f"prompt {ids.shape[1]} + {new} new tokens is over the largest cache ({limit})"
+        cache = self._cache(bucket, length)
+        cache.reset()  # in place: the graphs captured with this cache stay valid
+        return _Request(rows, bucket, cache, True, _plain_static(cache), length), ""
+
+    def _cache(self, rows: int, length: int) -> Any:
+        # Tensors made under inference_mode cannot be written outside it (reset() would raise), so each
+        # mode has caches of its own (their graphs are apart anyway: the mode is part of every key).
+        key = (rows, length, torch.is_inference_mode_enabled())
+        if key not in self._caches:
+            from transformers import StaticCache
+
+            self._caches[key] = StaticCache(config=self.model.config, max_cache_len=length)
+        return self._caches[key]
+
+    # -- a forward call of a served request --------------------------------------------------------------
+
+    def _forward(self, request: _Request, kwargs: dict) -> Any:
+        ids = kwargs.get("input_ids")
+        first = request.calls == 0
+        request.calls += 1
+        length = ids.shape[1]
+        padded = length
+        call = dict(kwargs)
+        if first and request.pad_prompt and _pads_cleanly(call):
+            padded = self.options.prompt_bucket(length)
+            if padded > request.cache_len or (not request.own and padded != length
+                                              and int(request.cache.get_seq_length()) + padded > request.cache_len):
+                padded = length
+            call = _pad_prompt(call, length, padded)
+        call = _pad_rows(call, request.batch, request.rows)
+        phase = f"prefill b{request.rows} s{padded}" if first else f"decode b{request.rows}"
+        out = self._counted(f"{phase} c{request.cache_len}", call)
+        if padded > length:
+            _rewind(request.cache, padded - length)
+        return _slice_output(out, request.batch, length if _keeps_all(kwargs) else None)
+
+    def _counted(self, bucket: str, call: dict) -> Any:
+        before = self.graphed.stats()
+        out = self.graphed(**call)
+        after = self.graphed.stats()
+        counts = self._buckets[bucket]
+        counts["calls"] += 1
+        if after["replays"] > before["replays"]:
+            counts["replays"] += 1
+        if after["captures"] > before["captures"]:
+            counts["captures"] += 1
+        for reason, n in after["reasons"].items():
+            if n > before["reasons"].get(reason, 0):
+                counts[f"eager: {reason}"] += 1
+        return out
+
+    # -- warm-up and introspection -----------------------------------------------------------------------
+
+    def warmup(self, batch_sizes=None, prompt_lengths=(16,), max_new_tokens=(64,), shapes=None) -> dict[str, Any]:
+        """Capture the graphs of these buckets before the first request: for every batch size, prompt
+        length and number of new tokens (or every (batch, prompt length, new tokens) in `shapes`), a few
+        short greedy `generate` calls on random tokens with the cache length such a request gets (warm-up
+        calls, then the capture). Run it in the mode requests come in (`torch.inference_mode()` keys
+        graphs and caches of its own). Returns `stats()`."""
+        if shapes is None:
+            new_tokens = (max_new_tokens,) if isinstance(max_new_tokens, int) else tuple(max_new_tokens)
+            lengths = (prompt_lengths,) if isinstance(prompt_lengths, int) else tuple(prompt_lengths)
+            shapes = [(b, p, n) for b in batch_sizes or self.options.batch_buckets for p in lengths for n in new_tokens]
+        device = next(self.model.parameters()).device
+        cap = int(getattr(self.model.config, "max_position_embeddings", None) or self.options.max_cache_len)
+        steps = self.graphed.warmup + 2  # decode: warm-ups, the capture, a replay
+        vocab = int(getattr(self.model.config, "vocab_size", 2) or 2)
+        done = set()
+        for rows, length, new in shapes:
+            bucket = self.options.batch_bucket(rows) or rows
+            prompt = self.options.prompt_bucket(length)
+            cache_len = self.options.cache_length(max(prompt, length + new), cap)
+            if cache_len is None or (bucket, prompt, cache_len) in done:
+                continue
+            done.add((bucket, prompt, cache_len))
+            ids = torch.randint(0, vocab, (bucket, length), device=device)
+            # a fresh cache's first prefill is a signature of its own (no buffers yet): one more round
+            for _ in range(self.graphed.warmup + 2):
+                self._serve(ids, (), {"attention_mask": torch.ones_like(ids), "max_new_tokens": steps,
+                                      "min_new_tokens": steps, "do_sample": False, "pad_token_id": 0}, cache_len)
+        return self.stats()
+
+    def stats(self) -> dict[str, Any]:
+        """Requests served and run eagerly (with why), per bucket its calls, replays, captures and eager
+        calls by reason, and the graphed forward's own counters."""
+        return {"served_requests": self._requests["served"], "eager_requests": dict(self._eager_requests),
+                "buckets": {k: dict(v) for k, v in sorted(self._buckets.items())},
+                "caches": sorted(self._caches), "graphs": self.graphed.stats()}
+
+    def close(self) -> None:
+        """Give `generate` back, free the caches and graphs (graph mode itself is disabled by the caller)."""
+        had, previous = self._restore
+        if had:
+            vars(self.model)["generate"] = previous
+        else:
+            vars(self.model).pop("generate", None)
+        self._caches.clear()
+        _SERVERS.pop(self.model, None)
+
+
+_SERVERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def serve(model: Any, **options: Any) -> Server:
+    """Serve `model.generate()` through bucketed graphs (idempotent: the first server stays). Options:
+    those of `ServeOptions`, and `graphs.GraphedForward`'s (`max_graphs` defaults to 128 here)."""
+    current = _SERVERS.get(model)
+    if current is not None:
+        return current
+    serve_options = {k: v for k, v in options.items() if k in _SERVE_KEYS}
+    graph_options = {k: v for k, v in options.items() if k not in _SERVE_KEYS}
+    return Server(model, ServeOptions(**serve_options), graph_options)
+
+
+def server(model: Any) -> Server | None:
+    """The server installed on `model`, if any."""
+    return _SERVERS.get(model)
+
+
+def warmup(model: Any, batch_sizes=None, prompt_lengths=(16,), max_new_tokens=(64,), shapes=None,
+           **options: Any) -> dict:
+    """Capture before the first request (installs a server with `options` first if there is none)."""
+    return serve(model, **options).warmup(batch_sizes, prompt_lengths, max_new_tokens, shapes)
+
+
+def stop(model: Any) -> bool:
+    """Undo `serve(model)`: `generate` is the model's own again; graph mode is disabled on it."""
+    current = _SERVERS.get(model)
+    if current is None:
+        return False
+    current.close()
+    graphs.disable(model)
+    return True
+
+
+def stop_all() -> int:
+    """Undo every `serve` (the pack's `deactivate()` calls this)."""
+    return sum(stop(m) for m in list(_SERVERS.keys()))
+
+
+def servable(model: Any) -> bool:
+    """Whether `model` is a causal LM whose `generate` this module can serve."""
+    config = getattr(model, "config", None)
+    return (isinstance(model, torch.nn.Module) and callable(getattr(model, "generate", None)) and config is not None
+            and not getattr(config, "is_encoder_decoder", False) and hasattr(model, "generation_config"))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Which requests are served
+
+
+_NOT_SERVED = (("inputs_embeds", "inputs_embeds"), ("assistant_model", "assisted generation"),
+               ("prompt_lookup_num_tokens", "assisted generation"), ("prefill_chunk_size", "chunked prefill"),
+               ("output_attentions", "attention outputs"), ("output_hidden_states", "hidden-state outputs"))
+
+
+def _setting(kwargs: dict, config: Any, name: str) -> Any:
+    return kwargs[name] if name in kwargs else getattr(config, name, None)
+
+
+def _unservable(model: Any, ids: Any, args: tuple, kwargs: dict) -> str:
+    if args:
+        return "positional arguments after the inputs"
+    if getattr(model.config, "is_encoder_decoder", False):
+        return "an encoder-decoder model"
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.dtype not in (torch.int64, torch.int32):
+        return "no [batch, length] input_ids"
+    config = kwargs.get("generation_config") or model.generation_config
+    for name, why in _NOT_SERVED:
+        if _setting(kwargs, config, name):
+            return why
+    if int(_setting(kwargs, config, "num_beams") or 1) > 1:
+        return "beam search"
+    if _setting(kwargs, config, "use_cache") is False:
+        return "use_cache=False"
+    return ""
+
+
+def _new_tokens(kwargs: dict, config: Any, prompt: int) -> int | None:
+    new = _setting(kwargs, config, "max_new_tokens")
+    if new is not None:
+        return int(new)
+    total = _setting(kwargs, config, "max_length")
+    return int(total) - prompt if total is not None else None
+
+
+def _plain_static(cache: Any) -> bool:
+    """Prompt padding needs full-attention static layers (a sliding window would roll padding in)."""
+    layers = getattr(cache, "layers", None)
+    return bool(layers) and all(type(layer).__name__ == "StaticLayer" for layer in layers)
+
+
+def _max_len(cache: Any) -> int:
+    return int(min(layer.max_cache_len for layer in cache.layers))
+
+
+def _rewind(cache: Any, steps: int) -> None:
+    """Move the cache's device-side length back by the padded positions (in place: same address)."""
+    for layer in cache.layers:
+        layer.cumulative_length.sub_(steps)
+
+
+def _without_cache(out: Any, cache: Any) -> Any:
+    """forgepack's cache is reused by the next request: it is never handed to the caller."""
+    for name in ("cache", "past_key_values"):
+        if isinstance(out, dict) and out.get(name) is cache:
+            out[name] = None
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------
+# Padding and slicing
+
+
+def _keeps_all(kwargs: dict) -> bool:
+    keep = kwargs.get("logits_to_keep", 0)
+    return isinstance(keep, int) and keep == 0
+
+
+_PADDABLE = frozenset({"input_ids", "attention_mask", "position_ids", "cache_position", "logits_to_keep", "cache",
+                       "past_key_values", "use_cache", "return_dict"})
+
+
+def _pads_cleanly(kwargs: dict) -> bool:
+    """Only the arguments whose sequence dimension this module knows can be right-padded."""
+    keep = kwargs.get("logits_to_keep", 0)
+    mask = kwargs.get("attention_mask")
+    return (all(k in _PADDABLE or not isinstance(v, torch.Tensor) for k, v in kwargs.items())
+            and (isinstance(keep, int) and keep >= 0)
+            and (mask is None or (isinstance(mask, torch.Tensor) and mask.dim() in (2, 4))))
+
+
+def _pad_prompt(kwargs: dict, length: int, padded: int) -> dict:
+    """Right-pad the prefill from `length` to `padded` positions. Every argument keeps its layout: the
+    padded call has one signature per bucket whatever the prompt's length."""
+    extra = padded - length
+    ids = kwargs["input_ids"]
+    out = dict(kwargs)
+    out["input_ids"] = torch.cat([ids, ids.new_zeros(ids.shape[0], extra)], dim=1)
+    positions = kwargs.get("position_ids")
+    if isinstance(positions, torch.Tensor):
+        step = torch.arange(1, extra + 1, dtype=positions.dtype, device=positions.device)
+        out["position_ids"] = torch.cat([positions, positions[..., -1:] + step], dim=-1)
+    where = kwargs.get("cache_position")
+    if isinstance(where, torch.Tensor):
+        out["cache_position"] = torch.cat([where, where[-1:] + torch.arange(1, extra + 1, device=where.device)])
+    mask = kwargs.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and mask.dim() == 4:
+        # A padded query row attends as the last real row does: never an empty row (NaN in its values would
+        # reach real rows through a zero weight); real rows never see padded keys (causality).
+        out["attention_mask"] = torch.cat([mask, mask[:, :, -1:].expand(-1, -1, extra, -1)], dim=2)
+    elif isinstance(mask, torch.Tensor):
+        out["attention_mask"] = torch.cat([mask, mask.new_ones(mask.shape[0], extra)], dim=1)
+    keep = kwargs.get("logits_to_keep", 0)
+    if keep:  # the last real positions, by value: one graph serves every length of the bucket
+        out["logits_to_keep"] = torch.arange(length - keep, length, device=ids.device)
+    return out
+
+
+def _pad_rows(kwargs: dict, batch: int, rows: int) -> dict:
+    """Pad every per-row tensor from `batch` to `rows` rows with copies of row 0."""
+    if rows == batch:
+        return kwargs
+    out = dict(kwargs)
+    for name, value in kwargs.items():
+        per_row = isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] == batch
+        if per_row and name != "cache_position":
+            out[name] = torch.cat([value, value[:1].expand(rows - batch, *value.shape[1:])], dim=0)
+    return out
+
+
+def _slice_output(out: Any, batch: int, length: int | None) -> Any:
+    """The output as `generate` expects it: the real rows (and with every logit kept, real positions)."""
+    logits = getattr(out, "logits", None)
+    if not isinstance(logits, torch.Tensor):
+        return out
+    sliced = logits[:batch] if length is None else logits[:batch, :length]
+    if sliced.shape == logits.shape:
+        return out
+    new = copy.copy(out)  # never edit the output in place: with copy_outputs=False it is the graph's own
+    new["logits"] = sliced
+    return new
+
+
+@contextlib.contextmanager
+def served(model: Any, **options: Any):
+    """`with serving.served(model):` graph-mode `generate` inside the block, the model's own after."""
+    had = server(model) is not None
+    srv = serve(model, **options)
+    try:
+        yield srv
+    finally:
+        if not had:
+            stop(model)

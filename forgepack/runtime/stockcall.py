@@ -1,0 +1,72 @@
+"""Calling a stock aten op again from its recorded arguments: the one decoder of recorded values.
+
+A recorded argument is (kind, number of tensors, value): "tensor", "tensors" (a list of that many),
+"none" (an absent tensor) or "value" (anything else, as `forgepack.opcall.encode_value` wrote it).
+Cards (`forgepack.opcall`), fusion chains and the pack's self-test (manifest variants) all call
+through here. Part of the pack runtime: torch and the standard library only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+Recorded = tuple[str, int, Any]  # (kind, number of tensors, value)
+
+
+def resolve(op: str) -> torch._ops.OpOverload:
+    """`aten._softmax.default` -> the OpOverload."""
+    ns, name, overload = op.split(".")
+    return getattr(getattr(getattr(torch.ops, ns), name), overload)
+
+
+def decode_value(schema_arg: Any, value: Any, device: torch.device) -> Any:
+    """A recorded non-tensor value as the op takes it: dtype, layout and memory format names become
+    torch objects, a device the call's device."""
+    type_str = str(getattr(schema_arg, "real_type", schema_arg.type))  # `.type` spells ScalarType as int
+    if value is None:
+        return None
+    if "ScalarType" in type_str or "Layout" in type_str or "MemoryFormat" in type_str:
+        return getattr(torch, value)
+    if "Device" in type_str:
+        return device
+    return value
+
+
+def call_args(func: torch._ops.OpOverload, recorded: Iterable[Recorded], tensors: list[torch.Tensor | None],
+              device: torch.device) -> tuple[list, dict]:
+    """Positional and keyword arguments calling `func` with these tensor inputs (ABI order: schema
+    order, lists flattened, None kept) and the recorded values."""
+    feed = iter(tensors)
+    args: list[Any] = []
+    kwargs: dict[str, Any] = {}
+    for schema_arg, arg in zip(func._schema.arguments, recorded, strict=True):
+        value = _decode(schema_arg, arg, feed, device)
+        if schema_arg.kwarg_only:
+            kwargs[schema_arg.name] = value
+        else:
+            args.append(value)
+    return args, kwargs
+
+
+def _decode(schema_arg: Any, arg: Recorded, feed: Iterator, device: torch.device) -> Any:
+    kind, count, value = arg
+    if kind == "tensor":
+        return next(feed)
+    if kind == "tensors":
+        return [next(feed) for _ in range(count)]
+    if kind == "none":
+        next(feed)
+        return None
+    return decode_value(schema_arg, value, device)
+
+
+def flatten_outputs(result: Any) -> list[torch.Tensor]:
+    """An op's result as a flat list of tensors (ABI output order)."""
+    if isinstance(result, torch.Tensor):
+        return [result]
+    if isinstance(result, list | tuple):
+        return [t for r in result for t in flatten_outputs(r)]
+    return []
