@@ -54,9 +54,10 @@ class PackReport:
                    tuple(d for d in decisions if not d.kept), refused)
 
     def to_json(self) -> dict[str, Any]:
-        return {"recipe": self.recipe, "wheel": self.wheel, "gate": self.gate, "refused": self.refused,
-                "margin": self.margin, "summary": self.summary, "kept": [d.to_json() for d in self.kept],
-                "dropped": [d.to_json() for d in self.dropped]}
+        doc = {"recipe": self.recipe, "wheel": self.wheel, "gate": self.gate, "margin": self.margin,
+               "summary": self.summary, "kept": [d.to_json() for d in self.kept],
+               "dropped": [d.to_json() for d in self.dropped]}
+        return {**doc, "refused": self.refused} if self.refused else doc
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> PackReport:

@@ -127,7 +127,9 @@ def test_cuda_selftest_passes_on_this_gpu(cuda_pack, tmp_path):
 def test_cuda_gate_runs_on_the_model(cuda_pack, tmp_path):
     _, ws, recipe, _ = cuda_pack
     result = build_pack(ws, recipe, margin=-0.99, gate=True, out_dir=tmp_path / "packs", rounds=3)
-    assert result.gate in ("passed", "empty")
+    # "failed": no kernel paid on this launch-bound toy, so no wheel (issue 18: never ship a slower pack)
+    assert result.gate in ("passed", "empty", "failed")
+    assert (result.wheel is None) == (result.gate != "passed") and (result.gate != "failed" or result.refused)
     assert not any("changes the model's outputs" in d.reason for d in result.dropped)
     assert len(result.decisions) == len(CUDA_KERNELS)
     # tiny-llama's forward is capture-safe: kernels are judged under graph replay, as they are served

@@ -449,3 +449,12 @@ def test_the_pack_report_is_a_value_that_round_trips_and_a_torn_one_is_named(tmp
     ws.write_json(report.PACK_REPORT, {**data.pack.to_json(), "gate": "maybe"})
     torn = report.gather(ws.root)
     assert torn.pack is None and any("the pack report" in p and "maybe" in p for p in torn.problems)
+
+
+def test_a_refused_pack_report_round_trips_with_its_reason():
+    from forgepack.packreport import PackReport
+
+    refused = PackReport.of("r", None, "failed", 0.05, {"stock_ms": 1.0}, [], refused="slower than stock: 0.91x")
+    doc = json.loads(json.dumps(refused.to_json()))
+    assert doc["refused"] == "slower than stock: 0.91x" and PackReport.from_json(doc) == refused
+    assert "refused" not in PackReport.of("r", "w.whl", "passed", 0.05, {}, []).to_json()

@@ -8,8 +8,9 @@ Columns (same model object, same trace, rounds interleaved in a rotating order):
   request runs right after `activate()` (`ready s`) and captures lazily, then `warmup()` captures the
   trace's buckets before the rounds (`warmup s`);
 - `static+compile`: `cache_implementation="static"`, transformers compiles the forward itself (CUDA);
-- `reduce-overhead`: `model.forward = torch.compile(model.forward, mode="reduce-overhead",
-  fullgraph=True)` with the static cache, as transformers documents it (CUDA).
+- `reduce-overhead`: `torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)` with the
+  static cache, as transformers documents it, for the decode steps (the prefill eager, as transformers'
+  own automatic compile runs it: see `decode_compiled`) (CUDA).
 The compiled columns run the trace once before the rounds (`warmup s`: every shape compiled), as the
 graphs column captures its buckets; past `--budget-s` their turns are skipped, and the table says so.
 
@@ -85,6 +86,10 @@ class Column:
         self.info: dict[str, Any] = {}
 
     def generate(self, model, ids, new, **extra):
+        if self.name in COMPILED and torch.cuda.is_available():
+            # Each generate() is a new step for cudagraph trees: outputs of the last one (the logits a
+            # column returned) may be overwritten from here on, and no later read may reach them.
+            torch.compiler.cudagraph_mark_step_begin()
         return model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0,
                               attention_mask=torch.ones_like(ids), **self.kwargs, **extra)
 
@@ -151,13 +156,27 @@ def columns_for(model, pack, args, trace, ids, device) -> list[Column]:
         def ro_enter():
             if "forward" not in compiled:
                 torch._dynamo.reset()
-                compiled["forward"] = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+                compiled["forward"] = decode_compiled(model.forward)
             vars(model)["forward"] = compiled["forward"]
 
         cols.append(Column("reduce-overhead", {"cache_implementation": "static", "disable_compile": True},
                            enter=ro_enter, leave=lambda: vars(model).pop("forward", None)))
         cols[-1].prepare = lambda c=cols[-1]: run_trace(c, model, trace, ids)
     return cols
+
+
+def decode_compiled(forward):
+    """`torch.compile(mode="reduce-overhead")` for the decode steps, the prefill eager, as transformers'
+    own automatic compile does: a static cache allocates its tensors lazily in its first forward, and
+    allocated inside a CUDA graph tree they are graph outputs the next replay overwrites (the H200 raised
+    "accessing tensor output of CUDAGraphs that has been overwritten by a subsequent run")."""
+    compiled = torch.compile(forward, mode="reduce-overhead", fullgraph=True)
+
+    def dispatch(*args, **kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        return compiled(*args, **kwargs) if ids is not None and ids.shape[-1] == 1 else forward(*args, **kwargs)
+
+    return dispatch
 
 
 def graphs_prepare_of(cols: list[Column]) -> Any:
