@@ -10,6 +10,10 @@ import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+from forgepack import needs as needs_mod
+from forgepack.needs import Needs
 
 FILE = "accepted.json"
 
@@ -30,13 +34,14 @@ class AcceptedKernel:
     proposer: str  # "templates:<template name>", "anthropic:<model>", "manual"
     candidate_id: int | None = None
     kind: str = "op"  # "op" | "fusion"
+    needs: Needs | None = None  # what the kernel states it needs of its inputs (None: `needs.default`)
     binary_sha256: str = ""  # of the object that was verified and timed; the builder ships only that content
 
 
 def save_all(workspace_root: Path, kernels: list[AcceptedKernel]) -> Path:
     path = Path(workspace_root) / FILE
     tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps([dataclasses.asdict(k) for k in kernels], indent=1) + "\n")
+    tmp.write_text(json.dumps([_to_json(k) for k in kernels], indent=1) + "\n")
     tmp.replace(path)
     return path
 
@@ -45,4 +50,13 @@ def load_all(workspace_root: Path) -> list[AcceptedKernel]:
     path = Path(workspace_root) / FILE
     if not path.exists():
         return []
-    return [AcceptedKernel(**d) for d in json.loads(path.read_text())]
+    return [_from_json(d) for d in json.loads(path.read_text())]
+
+
+def _to_json(k: AcceptedKernel) -> dict[str, Any]:
+    return {**dataclasses.asdict(k), "needs": None if k.needs is None else needs_mod.to_json(k.needs)}
+
+
+def _from_json(d: dict[str, Any]) -> AcceptedKernel:
+    stated = d.get("needs")
+    return AcceptedKernel(**{**d, "needs": None if stated is None else needs_mod.from_json(stated)})

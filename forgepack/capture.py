@@ -18,6 +18,7 @@ record the refs (and metadata) of their tensor arguments and the refs of what th
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections import Counter
 from collections.abc import Callable
@@ -320,3 +321,23 @@ def _install_hooks(model: torch.nn.Module, recorder: _Recorder, calls: list[Modu
         handles.append(module.register_forward_hook(post, with_kwargs=True))
     return handles
 
+
+
+def merge(captures: list[Capture]) -> Capture:
+    """Several captures (a serving envelope's points) as one: a variant seen at several points is one card
+    with its calls summed and its first sample sets kept. The per-call logs are not merged (their indices
+    are per run), so a merged capture has no dataflow: fusion cards come from single-shape captures."""
+    cards: dict[str, Card] = {}
+    sample_map: dict[str, list] = {}
+    for cap in captures:
+        for card in cap.cards:
+            seen = cards.get(card.id)
+            if seen is None:
+                cards[card.id] = card
+                sample_map[card.id] = list(cap.samples.get(card.id, ()))
+                continue
+            modules = tuple(dict.fromkeys((*seen.modules, *card.modules)))[:MAX_MODULE_PATHS]
+            cards[card.id] = dataclasses.replace(seen, calls=seen.calls + card.calls, modules=modules)
+            room = samples_mod.MAX_SAMPLES_PER_CARD - len(sample_map[card.id])
+            sample_map[card.id].extend(cap.samples.get(card.id, ())[:max(0, room)])
+    return Capture(list(cards.values()), sample_map, [], sum(c.total_calls for c in captures))

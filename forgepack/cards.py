@@ -50,6 +50,7 @@ DTYPE_SIZES = {
     "bool": 1,
 }
 FLOAT_DTYPES = ("float32", "float16", "bfloat16", "float64")
+_SHORT_DTYPES = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "float64": "f64"}
 
 
 @dataclass(frozen=True)
@@ -99,8 +100,7 @@ class TensorMeta:
 
     def signature(self) -> str:
         """Short human form, e.g. bf16[1,512,2048] or f32[8,8]:(1,8)."""
-        short = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "float64": "f64"}.get(self.dtype, self.dtype)
-        text = f"{short}[{','.join(map(str, self.shape))}]"
+        text = f"{_SHORT_DTYPES.get(self.dtype, self.dtype)}[{','.join(map(str, self.shape))}]"
         if not self.is_contiguous():
             text += f":({','.join(map(str, self.stride))})"
         if self.storage_offset:
@@ -147,6 +147,69 @@ class Profile:
 
 
 @dataclass(frozen=True)
+class Dim:
+    """One size that varies across a shape family's members, with the range it is served over."""
+
+    name: str  # "d0", "d1", ...
+    min: int
+    max: int
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A tensor's sizes and strides as functions of its family's dims.
+
+    `shape`: per axis a fixed size (int) or a dim name. `stride`: per axis `(c, dims)`, meaning
+    stride = c * product of those dims' values (contiguous, channels-last, transposed and sliced views
+    of a contiguous parent all have this form). Every dim a stride names is some tensor's axis size, so
+    a guard can bind each dim from the sizes it sees and then check every stride.
+    """
+
+    shape: tuple[int | str, ...]
+    stride: tuple[tuple[int, tuple[str, ...]], ...]
+
+    def signature(self, dtype: str) -> str:
+        """Short human form with dim names, e.g. f32[d0,64] or f32[64,d0]:(1,64) for a transposed view."""
+        text = f"{_SHORT_DTYPES.get(dtype, dtype)}[{','.join(map(str, self.shape))}]"
+        expected, stride = [], (1, ())
+        for n in reversed(self.shape):  # the contiguous rule, innermost first
+            expected.append(stride)
+            stride = (stride[0] * n, stride[1]) if isinstance(n, int) else (stride[0], (*stride[1], n))
+        contiguous = all(n == 1 or (c, set(ds)) == (e[0], set(e[1]))
+                         for n, (c, ds), e in zip(self.shape, self.stride, reversed(expected), strict=True))
+        if not contiguous:
+            text += ":(" + ",".join("*".join([str(c)] * (c != 1 or not ds) + list(ds)) for c, ds in self.stride) + ")"
+        return text
+
+
+@dataclass(frozen=True)
+class Family:
+    """Variants of one op that differ only in sizes (DESIGN.md "Serving envelope and shape families").
+
+    `inputs` follows `Card.tensor_inputs()` (None where that is None), `outputs` follows `Card.outputs`.
+    `points`: the dim values capture saw, each with its calls and (after profile) weight, the share of
+    the family's envelope time that point stands for.
+    """
+
+    dims: tuple[Dim, ...]
+    inputs: tuple[Layout | None, ...]
+    outputs: tuple[Layout, ...]
+    points: tuple[tuple[tuple[str, int], ...], ...] = ()  # each point: ((dim, value), ...)
+    point_calls: tuple[int, ...] = ()
+    point_weights: tuple[float, ...] = ()
+
+    def dim(self, name: str) -> Dim:
+        for d in self.dims:
+            if d.name == name:
+                return d
+        raise KeyError(name)
+
+    def key(self) -> tuple:
+        """What identifies the family (not its captured points)."""
+        return (self.dims, self.inputs, self.outputs)
+
+
+@dataclass(frozen=True)
 class Card:
     op: str  # overload, e.g. "aten::_softmax" + "." + "default" -> "aten._softmax.default"
     schema: str  # full schema string, e.g. "aten::_softmax(Tensor self, int dim, bool half_to_float) -> Tensor"
@@ -159,9 +222,12 @@ class Card:
     profile: Profile | None = None
     chain: tuple[dict, ...] = ()  # fusion cards: the aten calls the fusion replaces
     fusion: dict | None = None  # fusion cards: pattern, module class, config facts
+    family: Family | None = None  # a shape family: `args`/`outputs` are one member (`forgepack.families`)
 
     @property
     def id(self) -> str:
+        if self.family is not None:
+            return family_id(self.op, self.args, self.family)
         return variant_id(self.op, self.args)
 
     @property
@@ -195,7 +261,10 @@ class Card:
         return out
 
     def signature(self) -> str:
-        """Short form for tables: tensor shapes and the non-tensor values that matter."""
+        """Short form for tables: tensor shapes and the non-tensor values that matter; a family's with dim
+        names and its ranges, e.g. `f32[d0,64], f32[64,128] | d0 in 1..256`."""
+        if self.family is not None:
+            return self._family_signature()
         parts = []
         for a in self.args:
             if a.kind == "tensor":
@@ -205,6 +274,21 @@ class Card:
             elif a.kind == "value" and a.value is not None:
                 parts.append(f"{a.name}={_short_value(a.value)}")
         return ", ".join(parts)
+
+    def _family_signature(self) -> str:
+        layouts = iter(self.family.inputs)
+        parts = []
+        for a in self.args:
+            if a.kind == "tensor":
+                parts.append(next(layouts).signature(a.tensor.dtype))
+            elif a.kind == "tensors":
+                parts.append("[" + ",".join(next(layouts).signature(t.dtype) for t in a.tensors) + "]")
+            elif a.kind == "none":
+                next(layouts)
+            elif a.value is not None:
+                parts.append(f"{a.name}={_short_value(a.value)}")
+        ranges = ", ".join(f"{d.name} in {d.min}..{d.max}" for d in self.family.dims)
+        return ", ".join(parts) + " | " + ranges
 
     def with_profile(self, profile: Profile) -> Card:
         return dataclasses.replace(self, profile=profile)
@@ -237,6 +321,15 @@ def by_output(cards: Iterable[Card]) -> dict[tuple, list[Card]]:
         if card.kind != "fusion":
             index.setdefault(card_output_key(card), []).append(card)
     return index
+
+
+def family_id(op: str, args: tuple[Arg, ...], family: Family) -> str:
+    """Stable short id of a family: op overload, dtypes and non-tensor values, the family's layouts."""
+    fixed = tuple((a.name, a.kind, _freeze(a.value)) if a.kind in ("value", "none")
+                  else (a.name, a.kind, tuple(t.dtype for t in (a.tensors or (a.tensor,)))) for a in args)
+    digest = hashlib.sha256(repr((op, fixed, family.key())).encode()).hexdigest()[:10]
+    name = op.removeprefix("aten.").removesuffix(".default").replace(".", "_")
+    return f"{name}-F{digest}"
 
 
 def variant_id(op: str, args: tuple[Arg, ...]) -> str:
@@ -292,10 +385,30 @@ def from_json(data: dict[str, Any]) -> Card:
         profile=profile,
         chain=tuple(data.get("chain", ())),
         fusion=data.get("fusion"),
+        family=_family(data.get("family")),
     )
     if "id" in data and data["id"] != card.id:
         raise ValueError(f"card id {data['id']} does not match its contents ({card.id}): edited by hand?")
     return card
+
+
+def _family(d: dict | None) -> Family | None:
+    if d is None:
+        return None
+
+    def layout(x: dict | None) -> Layout | None:
+        if x is None:
+            return None
+        return Layout(shape=tuple(x["shape"]), stride=tuple((c, tuple(ds)) for c, ds in x["stride"]))
+
+    return Family(
+        dims=tuple(Dim(**x) for x in d["dims"]),
+        inputs=tuple(layout(x) for x in d["inputs"]),
+        outputs=tuple(layout(x) for x in d["outputs"]),
+        points=tuple(tuple((n, v) for n, v in p) for p in d.get("points", ())),
+        point_calls=tuple(d.get("point_calls", ())),
+        point_weights=tuple(d.get("point_weights", ())),
+    )
 
 
 def save(card: Card, path: str | Path) -> None:

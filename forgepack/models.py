@@ -15,11 +15,19 @@ of `seq_len` tokens after `cache_len` tokens already in the KV cache), pixels fo
 Prefill runs with `use_cache=False` (the forward's compute, without building a cache object). Decode
 keeps the cache at `cache_len` tokens so that repeated steps are identical: a `StaticCache` is written
 at the same positions again; a dynamic cache is cropped back after each step.
+
+A serving envelope (`Workload.is_envelope`) loads with one representative shape in `inputs` (the
+envelope's largest corner, a prefill for phase generate: what the gate and end-to-end timing run) and
+the capture points in `points` (`envelope_points`): the envelope's corners and a few interior, odd
+sizes, each prepared outside the capture and then run (phase generate: a real `model.generate()`, so
+the decode steps at every cache length are seen too).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,7 +36,7 @@ from typing import Any
 import torch
 
 from forgepack.errors import ForgepackError
-from forgepack.recipe import Recipe
+from forgepack.recipe import RANGE_FIELDS, Range, Recipe, Workload, high, low
 from forgepack.runtime.transformers_hooks import cache_kwarg_of
 
 _TASK_AUTO = {
@@ -55,6 +63,7 @@ class LoadedModel:
     dtype: torch.dtype
     after_step: Callable[[], None] | None = None  # decode: put the cache back to cache_len tokens
     extra: dict[str, Any] = field(default_factory=dict)
+    points: list[EnvelopePoint] = field(default_factory=list)  # a serving envelope's capture points
 
     def forward(self, inputs: dict[str, Any] | None = None) -> Any:
         """One forward (no grad) on the example inputs, or on `inputs`; the cache is left advanced."""
@@ -97,6 +106,15 @@ class LoadedModel:
         if isinstance(out, tuple | list) and out and isinstance(out[0], torch.Tensor):
             return out[0]
         raise ForgepackError(f"cannot find an output tensor in {type(out).__name__}")
+
+
+@dataclass(frozen=True)
+class EnvelopePoint:
+    """One shape of a serving envelope that capture visits: `prepare()` (run outside the capture: a
+    decode cache is filled there) returns the run to capture."""
+
+    sizes: tuple[tuple[str, int], ...]  # workload field -> value, e.g. (("batch", 2), ("seq_len", 13))
+    prepare: Callable[[], Callable[[], Any]]
 
 
 def target_device(recipe: Recipe) -> torch.device:
@@ -184,7 +202,102 @@ def load(recipe: Recipe) -> LoadedModel:
     model.eval()
     if recipe.workload.memory_format == "channels_last":
         model = model.to(memory_format=torch.channels_last)
-    return _with_inputs(recipe, model, device, dtype)
+    if not recipe.workload.is_envelope:
+        return _with_inputs(recipe, model, device, dtype)
+    phase = "prefill" if recipe.workload.phase == "generate" else None
+    lm = _with_inputs(_at(recipe, representative(recipe.workload), phase), model, device, dtype)
+    lm.recipe = recipe
+    lm.points = [EnvelopePoint(tuple(p.items()), _preparer(recipe, p, model, device, dtype))
+                 for p in envelope_points(recipe.workload)]
+    return lm
+
+
+# --- serving envelopes --------------------------------------------------------------------------------
+
+
+def _at(recipe: Recipe, sizes: dict[str, int], phase: str | None = None) -> Recipe:
+    w = recipe.workload.at(**sizes)
+    return dataclasses.replace(recipe, workload=dataclasses.replace(w, phase=phase or w.phase))
+
+
+def representative(w: Workload) -> dict[str, int]:
+    """The shape an envelope's gate and end-to-end timing run: its largest corner (generate: the prompt)."""
+    sizes = {k: high(getattr(w, k)) for k in RANGE_FIELDS}
+    if w.phase == "generate":
+        sizes["cache_len"] = 0
+    return sizes
+
+
+def _inside(r: Range, count: int) -> list[int]:
+    """`count` sizes strictly inside the range, odd and prime where it has them, spread over it."""
+    inner = list(range(r.min + 1, r.max))
+    if not inner:
+        return []
+    primes = [v for v in inner if v > 2 and all(v % d for d in range(2, int(v**0.5) + 1))]
+    primes = primes if len(primes) >= count else inner
+    picks = [primes[min(len(primes) - 1, (len(primes) * (i + 1)) // (count + 1))] for i in range(count)]
+    return list(dict.fromkeys(picks))
+
+
+def envelope_points(w: Workload) -> list[dict[str, int]]:
+    """The shapes capture runs: every corner of the ranged fields, then interior odd sizes, chosen so that
+    no two fields (nor batch x length, a flattened matmul row count) take equal values at every point:
+    `families.fold` names a dim per distinct value vector, so equal vectors would merge dims that the
+    envelope lets vary apart. Phase generate ranges batch and prompt length; when `cache_len` has a max
+    beyond the longest prompt plus the new tokens, two more points reach it (prompt cache max - new)."""
+    ranged = [k for k in RANGE_FIELDS if isinstance(getattr(w, k), Range) and not
+              (w.phase == "generate" and k == "cache_len")]
+    fixed = {k: low(getattr(w, k)) for k in RANGE_FIELDS}
+    if w.phase == "generate":
+        fixed["cache_len"] = 0
+    points = [{**fixed, **dict(zip(ranged, corner, strict=True))}
+              for corner in itertools.product(*[(low(getattr(w, k)), high(getattr(w, k))) for k in ranged])]
+    inner = {k: _inside(getattr(w, k), 4) for k in ranged}
+    for i in range(4):
+        if len(points) >= len(ranged) + 4 and _apart(points, ranged):
+            break
+        point = dict(fixed)
+        for j, k in enumerate(ranged):
+            values = inner[k] or [low(getattr(w, k))]
+            point[k] = values[(i + j) % len(values)]
+        points.append(point)
+    if w.phase == "generate" and high(w.cache_len) > high(w.seq_len) + w.new_tokens:
+        long = high(w.cache_len) - w.new_tokens
+        points += [{**fixed, "batch": b, "seq_len": long} for b in dict.fromkeys((low(w.batch), high(w.batch)))]
+    unique = {tuple(sorted(p.items())): p for p in points}
+    return list(unique.values())
+
+
+def _apart(points: list[dict[str, int]], ranged: list[str]) -> bool:
+    vectors = [tuple(p[k] for p in points) for k in ranged]
+    if "batch" in ranged and "seq_len" in ranged:
+        vectors.append(tuple(p["batch"] * p["seq_len"] for p in points))
+    return len(set(vectors)) == len(vectors)
+
+
+def _preparer(recipe: Recipe, sizes: dict[str, int], model, device, dtype) -> Callable[[], Callable[[], Any]]:
+    def prepare() -> Callable[[], Any]:
+        if recipe.workload.phase == "generate":
+            return _generate_run(recipe, sizes, model, device)
+        return _with_inputs(_at(recipe, sizes), model, device, dtype).run
+    return prepare
+
+
+def _generate_run(recipe: Recipe, sizes: dict[str, int], model, device) -> Callable[[], Any]:
+    """A greedy `generate()` of `new_tokens` tokens (never fewer: random weights may emit end-of-text)
+    from a random prompt of this batch and length, with the default dynamic cache."""
+    gen = torch.Generator().manual_seed(1234 + 31 * sizes["batch"] + sizes["seq_len"])
+    vocab = model.config.get_text_config().vocab_size
+    ids = torch.randint(0, vocab, (sizes["batch"], sizes["seq_len"]), generator=gen).to(device)
+    n = recipe.workload.new_tokens
+    pad = getattr(model.generation_config, "pad_token_id", None)
+    pad = pad if pad is not None else 0
+
+    def run() -> Any:
+        with torch.no_grad():
+            return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                                  min_new_tokens=n, do_sample=False, pad_token_id=pad)
+    return run
 
 
 def _build(recipe: Recipe, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:

@@ -20,8 +20,8 @@ from typing import Any
 import torch
 
 from forgepack import capture as capture_mod
-from forgepack import devices, fusion, opcall, roofline, samples, timing
-from forgepack.cards import Card, Profile
+from forgepack import devices, families, fusion, opcall, roofline, samples, timing
+from forgepack.cards import Card, Profile, variant_id
 from forgepack.models import LoadedModel
 from forgepack.recipe import Recipe
 from forgepack.runtime import stockcall
@@ -133,6 +133,64 @@ def measure_card(card: Card, sets: list, device: torch.device, facts: devices.De
     )
 
 
+MAX_TIMED_POINTS = 8  # a family's points timed one by one; the rest are scaled from the nearest by bytes
+
+
+def measure_family(card: Card, sample_map: dict[str, list], device: torch.device,
+                   facts: devices.DeviceFacts) -> Card:
+    """A family card with its envelope-weighted profile: each member at a captured point timed (or, past
+    `MAX_TIMED_POINTS`, its time scaled by bytes from the nearest timed one), weighted by the calls capture
+    saw there. `Family.point_weights`: each point's share of the family's time; the card's `Profile` is the
+    per-call figure over the envelope (`total_us` = sum of calls x time), so the share the allocator reads
+    is the family's share of the envelope's time, not of one shape's."""
+    family = card.family
+    members = [dataclasses.replace(m, calls=n) for m, n in
+               zip(families.members_at_points(card), family.point_calls, strict=True)]
+    by_bytes = sorted(range(len(members)), key=lambda i: roofline.roofline(members[i], facts).bytes)
+    step = max(1, -(-len(members) // MAX_TIMED_POINTS))
+    timed_idx = set(by_bytes[::step]) | {by_bytes[-1]}
+    timed = {i: measure_card(members[i], sample_map.get(members[i].id, []), device, facts) for i in timed_idx}
+    profiles = [timed.get(i) or _scaled(members[i], timed, facts) for i in range(len(members))]
+    calls = sum(family.point_calls) or 1
+    totals = [n * p.eager_us for n, p in zip(family.point_calls, profiles, strict=True)]
+    total = sum(totals)
+
+    def per_call(attr: str) -> float:
+        return sum(n * getattr(p, attr) for n, p in zip(family.point_calls, profiles, strict=True)) / calls
+
+    rep = max(timed.items(), key=lambda kv: family.point_calls[kv[0]])[1]
+    roof_us = per_call("roofline_us")
+    profile = Profile(eager_us=total / calls, total_us=total, bytes=round(per_call("bytes")),
+                      flops=round(per_call("flops")), roofline_us=roof_us,
+                      headroom=(total / calls) / roof_us if roof_us > 0 else 1.0, baseline=rep.baseline,
+                      kernels=rep.kernels)
+    weights = tuple(t / total if total > 0 else 1 / len(totals) for t in totals)
+    return dataclasses.replace(card, family=dataclasses.replace(family, point_weights=weights), profile=profile)
+
+
+def _scaled(member: Card, timed: dict[int, Profile], facts: devices.DeviceFacts) -> Profile:
+    roof = roofline.roofline(member, facts)
+    near = min(timed.values(), key=lambda p: abs(p.bytes - roof.bytes))
+    eager = near.eager_us * roof.bytes / near.bytes if near.bytes else near.eager_us
+    return dataclasses.replace(near, eager_us=eager, total_us=eager * member.calls, bytes=roof.bytes,
+                               flops=roof.flops, roofline_us=roof.us,
+                               headroom=eager / roof.us if roof.us > 0 else 1.0)
+
+
+def capture_envelope(lm: LoadedModel, note: Callable[[str, int, int], None]) -> capture_mod.Capture:
+    """Capture every point of a serving envelope (each prepared outside the capture) and fold the variants
+    that differ only in sizes into family cards; a family keeps its most-called member's samples."""
+    caps = []
+    for i, point in enumerate(lm.points):
+        note("capturing " + " ".join(f"{k} {v}" for k, v in point.sizes if v), i, len(lm.points))
+        go = point.prepare()
+        caps.append(capture_mod.capture(lm.model, go))
+    merged = capture_mod.merge(caps)
+    folded = families.fold(merged.cards)
+    sample_map = {c.id: merged.samples.get(variant_id(c.op, c.args) if c.family else c.id, []) for c in folded}
+    return capture_mod.Capture(folded, sample_map, [], merged.total_calls)
+
+
 def _with_shares(cards: list[Card]) -> list[Card]:
     total = sum(c.profile.total_us for c in cards) or 1.0
     return [c.with_profile(dataclasses.replace(c.profile, share=c.profile.total_us / total)) for c in cards]
@@ -185,14 +243,20 @@ def run_profile(recipe: Recipe, workspace: Workspace, progress: Callable[[str, i
         lm.run()  # warm-up: lazy initialisation (caches, kernels) is not the model's work
         note("end to end", 0, 1)
         e2e_ms = end_to_end(lm, 30 if lm.device.type == "cuda" else 10)
-        # the forward alone: resetting the cache is not its work; hot free functions recorded for fusion
-        cap = capture_mod.capture(lm.model, lm.forward, functions=fusion.function_sites(lm.model))
-        lm.reset()
+        if lm.points:
+            cap = capture_envelope(lm, note)
+        else:
+            # the forward alone: resetting the cache is not its work; hot free functions recorded for fusion
+            cap = capture_mod.capture(lm.model, lm.forward, functions=fusion.function_sites(lm.model))
+            lm.reset()
     facts = devices.facts(lm.device)
     profiled = []
     for i, card in enumerate(cap.cards):
         note(f"timing {card.op_name}", i, len(cap.cards))
-        profiled.append(card.with_profile(measure_card(card, cap.samples[card.id], lm.device, facts)))
+        if card.family is not None:
+            profiled.append(measure_family(card, cap.samples, lm.device, facts))
+        else:
+            profiled.append(card.with_profile(measure_card(card, cap.samples[card.id], lm.device, facts)))
     cards = _with_shares(profiled)
 
     def forward_once():
@@ -201,7 +265,9 @@ def run_profile(recipe: Recipe, workspace: Workspace, progress: Callable[[str, i
         return out
 
     with models.quiet_transformers():
-        fused = fusion.build(lm.model, forward_once, cap, lm.device, facts, cards)
+        # fusion chains come from one shape's dataflow: an envelope's merged capture has none (not yet)
+        fused = (fusion.build(lm.model, forward_once, cap, lm.device, facts, cards) if not lm.points
+                 else fusion.FusionResult([], {}, {}, []))
     cap.samples.update(fused.samples)
     kernel_ms = kernel_time_ms(lm) if lm.device.type == "cuda" else None
     busy = min(1.0, kernel_ms / e2e_ms) if kernel_ms is not None else None

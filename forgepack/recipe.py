@@ -3,6 +3,10 @@
 A recipe names a model (hub id, local directory, or an inline config with random weights), a workload
 (task, phase, batch, lengths, dtype), a target and build settings. Unknown keys and bad values are
 rejected with a message naming them. `load -> save -> load` gives an equal object.
+
+A workload is either one shape (single ints: exactly one signature, as always) or a serving envelope:
+`batch`, `seq_len` and `cache_len` may be a `Range` (`{ min = 1, max = 8 }` in TOML, "1-8" on the
+command line), and phase "generate" serves a whole `generate()` (prefill and decode steps) in one pack.
 """
 
 from __future__ import annotations
@@ -23,11 +27,46 @@ DEFAULT_RECIPE = "tiny-llama"
 
 # "auto": the checkpoint's own task, from its config.json `architectures` (`models.resolve_task`)
 TASKS = ("auto", "causal-lm", "text-encoder", "image-classification", "sequence-classification")
-PHASES = ("prefill", "decode")
+PHASES = ("prefill", "decode", "generate")  # generate: prefill + decode steps, one pack
 DTYPES = ("float32", "float16", "bfloat16")
 MEMORY_FORMATS = ("contiguous", "channels_last")
 TARGETS = ("cpu", "cuda", "auto")  # auto: cuda when a GPU is visible, else cpu (resolved on use)
 PROPOSERS = ("templates", "anthropic")
+
+
+@dataclass(frozen=True)
+class Range:
+    """Sizes served from `min` to `max` inclusive (a workload field of a serving envelope)."""
+
+    min: int
+    max: int
+
+    def __str__(self) -> str:
+        return f"{self.min}-{self.max}"
+
+
+_RANGE_MIN = {"batch": 1, "seq_len": 1, "cache_len": 0}  # a range's min where the recipe leaves it out
+RANGE_FIELDS = tuple(_RANGE_MIN)
+
+
+def low(value: int | Range) -> int:
+    return value.min if isinstance(value, Range) else value
+
+
+def high(value: int | Range) -> int:
+    return value.max if isinstance(value, Range) else value
+
+
+def parse_size(text: str, key: str = "size") -> int | Range:
+    """A CLI size: "8" is one size, "1-8" a range (a range of one size is that size)."""
+    m = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", text)
+    if m is None:
+        raise UsageError(f"--{key.replace('_', '-')} must be a size like 8 or a range like 1-8, got {text!r}")
+    lo = int(m.group(1))
+    hi = int(m.group(2)) if m.group(2) is not None else lo
+    if hi < lo:
+        raise UsageError(f"--{key.replace('_', '-')} range {text!r} has its max below its min")
+    return lo if lo == hi else Range(lo, hi)
 
 
 @dataclass(frozen=True)
@@ -53,9 +92,10 @@ class ModelSpec:
 class Workload:
     task: str = "auto"
     phase: str = "prefill"
-    batch: int = 1
-    seq_len: int = 32
-    cache_len: int = 0  # decode: tokens already in the KV cache
+    batch: int | Range = 1
+    seq_len: int | Range = 32  # generate: prompt lengths
+    cache_len: int | Range = 0  # decode: tokens already in the KV cache; generate: its max bounds prompt + new
+    new_tokens: int = 4  # generate: tokens generated at each capture point
     image_size: int = 224
     dtype: str = "float32"
     static_cache: bool = False  # decode: transformers StaticCache, so each step has fixed shapes
@@ -63,6 +103,16 @@ class Workload:
     # `model.to(memory_format=torch.channels_last)` does in serving code): cuDNN's fast fp16 convs are
     # NHWC, and every activation between them then is too. The cards, kernels and guards follow it.
     memory_format: str = "contiguous"
+
+    @property
+    def is_envelope(self) -> bool:
+        """Whether this serves more than one shape: a range anywhere, or a whole generate()."""
+        return self.phase == "generate" or any(isinstance(getattr(self, k), Range) for k in RANGE_FIELDS)
+
+    def at(self, **sizes: int) -> Workload:
+        """One shape of the envelope (fields not given at their min)."""
+        fixed = {k: low(getattr(self, k)) for k in RANGE_FIELDS}
+        return dataclasses.replace(self, **{**fixed, **sizes})
 
 
 @dataclass(frozen=True)
@@ -133,11 +183,34 @@ def _section(origin: str, name: str, cls: type, values: Any) -> Any:
     if not isinstance(values, dict):
         raise UsageError(f"{origin}: [{name}] must be a table, got {values!r}")
     fields = {f.name: f for f in dataclasses.fields(cls)}
+    values = dict(values)
     for key, value in values.items():
         if key not in fields:
             raise UsageError(f"{origin}: unknown key '{name}.{key}' (known: {', '.join(fields)})")
+        if cls is Workload and key in RANGE_FIELDS and isinstance(value, str) and origin == "command line":  # 1-8
+            values[key] = value = parse_size(value, key)
+        if cls is Workload and key in RANGE_FIELDS and isinstance(value, dict | Range):
+            values[key] = _range(origin, key, value)
+            continue
         _check_type(origin, f"{name}.{key}", fields[key].type, value)
     return cls(**values)
+
+
+def _range(origin: str, key: str, value: dict | Range) -> Range:
+    if isinstance(value, Range):
+        value = dataclasses.asdict(value)
+    unknown = set(value) - {"min", "max"}
+    if unknown:
+        raise UsageError(f"{origin}: unknown key 'workload.{key}.{sorted(unknown)[0]}' (known: min, max)")
+    if "max" not in value:
+        raise UsageError(f"{origin}: 'workload.{key}' range needs a 'max'")
+    lo, hi = value.get("min", _RANGE_MIN[key]), value["max"]
+    for part, v in (("min", lo), ("max", hi)):
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise UsageError(f"{origin}: 'workload.{key}.{part}' must be int, got {v!r}")
+    if hi < lo:
+        raise UsageError(f"{origin}: 'workload.{key}' has max {hi} below min {lo}")
+    return Range(lo, hi)
 
 
 _TYPES = {"str": str, "int": int, "float": (int, float), "bool": bool, "dict": dict}
@@ -175,13 +248,20 @@ def _check(origin: str, r: Recipe) -> None:
                          f"\"image-classification\", got {w.task!r}")
     _one_of(origin, "target.device", t.device, TARGETS)
     _one_of(origin, "build.proposer", b.proposer, PROPOSERS)
-    for key, value in (("batch", w.batch), ("seq_len", w.seq_len), ("image_size", w.image_size)):
+    for key, value in (("batch", low(w.batch)), ("seq_len", low(w.seq_len)), ("image_size", w.image_size)):
         if value < 1:
             raise UsageError(f"{origin}: 'workload.{key}' must be at least 1, got {value}")
-    if w.cache_len < 0:
+    if low(w.cache_len) < 0:
         raise UsageError(f"{origin}: 'workload.cache_len' must be 0 or more, got {w.cache_len}")
-    if w.phase == "decode" and w.task not in ("causal-lm", "auto"):  # auto: checked again once resolved
-        raise UsageError(f"{origin}: 'workload.phase' = \"decode\" needs task \"causal-lm\", got {w.task!r}")
+    if w.new_tokens < 1:
+        raise UsageError(f"{origin}: 'workload.new_tokens' must be at least 1, got {w.new_tokens}")
+    if w.phase in ("decode", "generate") and w.task not in ("causal-lm", "auto"):  # auto: checked again once resolved
+        raise UsageError(f"{origin}: 'workload.phase' = \"{w.phase}\" needs task \"causal-lm\", got {w.task!r}")
+    if w.task == "image-classification" and any(isinstance(x, Range) for x in (w.seq_len, w.cache_len)):
+        raise UsageError(f"{origin}: an image model's envelope is 'workload.batch' only")
+    if w.phase == "generate" and high(w.cache_len) and high(w.cache_len) < high(w.seq_len) + w.new_tokens:
+        raise UsageError(f"{origin}: 'workload.cache_len' max {high(w.cache_len)} is below the longest prompt "
+                         f"({high(w.seq_len)}) plus 'workload.new_tokens' ({w.new_tokens})")
     if t.arch is not None and not re.fullmatch(r"sm_\d{2,3}a?", t.arch):
         raise UsageError(f"{origin}: 'target.arch' must look like \"sm_90\", got {t.arch!r}")
     if b.budget < 0:
@@ -199,7 +279,10 @@ def to_dict(recipe: Recipe) -> dict[str, Any]:
     """Plain data for TOML: None values are left out (TOML has no null)."""
 
     def clean(obj: Any) -> dict[str, Any]:
-        return {k: v for k, v in dataclasses.asdict(obj).items() if v is not None}
+        data = {k: v for k, v in dataclasses.asdict(obj).items() if v is not None}
+        if isinstance(obj, Workload) and obj.phase != "generate":
+            del data["new_tokens"]  # only generate reads it: fixed-shape recipes and their fingerprints as before
+        return data
 
     return {"name": recipe.name, **{name: clean(getattr(recipe, name)) for name in _SECTIONS}}
 

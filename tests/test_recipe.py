@@ -1,5 +1,6 @@
 """Recipes: built-ins load and round-trip; bad keys and values are named in one-line errors."""
 
+import dataclasses
 import re
 
 import pytest
@@ -71,3 +72,69 @@ def test_bare_model_specs():
         recipe.resolve("no-such-recipe")
     with pytest.raises(UsageError, match="does not exist"):
         recipe.resolve("missing.toml")
+
+
+ENVELOPE = BASE + ('[workload]\nphase = "generate"\nbatch = { min = 1, max = 8 }\n'
+                   'seq_len = { min = 16, max = 2048 }\ncache_len = { max = 4096 }\n')
+
+
+def test_envelope_ranges_round_trip_and_single_ints_stay_one_shape():
+    r = recipe.loads(ENVELOPE)
+    w = r.workload
+    assert (w.phase, w.batch, w.seq_len, w.cache_len) == ("generate", recipe.Range(1, 8), recipe.Range(16, 2048),
+                                                           recipe.Range(0, 4096))
+    assert w.is_envelope and recipe.loads(recipe.dumps(r)) == r
+    assert w.at(batch=3, seq_len=17) == dataclasses.replace(w, batch=3, seq_len=17, cache_len=0)
+    fixed = recipe.load(recipe.BUILTIN_DIR / "tiny-llama.toml")
+    assert not fixed.workload.is_envelope and isinstance(fixed.workload.batch, int)
+    assert "new_tokens" not in recipe.dumps(fixed)  # fixed-shape recipes (and their fingerprints) as before
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (BASE + "[workload]\nbatch = { min = 4, max = 2 }\n", "'workload.batch' has max 2 below min 4"),
+        (BASE + "[workload]\nbatch = { min = 1 }\n", "'workload.batch' range needs a 'max'"),
+        (BASE + "[workload]\nbatch = { min = 1, max = 2, step = 1 }\n", "unknown key 'workload.batch.step'"),
+        (BASE + "[workload]\nseq_len = { min = 1, max = \"x\" }\n", "'workload.seq_len.max' must be int"),
+        (BASE + "[workload]\nbatch = { min = 0, max = 2 }\n", "'workload.batch' must be at least 1"),
+        (BASE + "[workload]\ntask = \"image-classification\"\nphase = \"generate\"\n", "needs task"),
+        (BASE + "[workload]\ntask = \"image-classification\"\nseq_len = { max = 8 }\n", "envelope is 'workload.batch'"),
+        (BASE + "[workload]\nphase = \"generate\"\nseq_len = { max = 64 }\ncache_len = { max = 32 }\n",
+         "'workload.cache_len' max 32 is below the longest prompt"),
+    ],
+)
+def test_bad_envelopes_name_the_problem(text, message):
+    with pytest.raises(UsageError, match=re.escape(message)) as err:
+        recipe.loads(text, origin="r.toml")
+    assert "\n" not in str(err.value)
+
+
+def test_image_batch_range():
+    r = recipe.loads(BASE + '[workload]\ntask = "image-classification"\nbatch = { min = 1, max = 4 }\n')
+    assert r.workload.batch == recipe.Range(1, 4) and recipe.loads(recipe.dumps(r)) == r
+
+
+def test_cli_sizes_parse_as_one_size_or_a_range():
+    assert recipe.parse_size("8") == 8 and recipe.parse_size("1-8") == recipe.Range(1, 8)
+    assert recipe.parse_size(" 16 - 2048 ") == recipe.Range(16, 2048) and recipe.parse_size("4-4") == 4
+    for bad in ("", "a", "1-", "8-1", "1-2-3"):
+        with pytest.raises(UsageError, match="--batch"):
+            recipe.parse_size(bad, "batch")
+    r = recipe.resolve("tiny-llama").replace(workload={"batch": "1-4", "seq_len": "8-64", "phase": "generate"})
+    assert (r.workload.batch, r.workload.seq_len, r.workload.phase) == (recipe.Range(1, 4), recipe.Range(8, 64),
+                                                                        "generate")
+    assert r.replace(workload={"batch": "2"}).workload.batch == 2
+
+
+def test_profile_command_refuses_a_bad_range_in_one_line(tmp_path):
+    import subprocess
+    import sys
+
+    for args, message in ((["--batch", "8-1"], "--batch range '8-1' has its max below its min"),
+                          (["--seq-len", "x"], "--seq-len must be a size like 8 or a range like 1-8"),
+                          (["--phase", "serve"], "'workload.phase' must be one of prefill, decode, generate")):
+        proc = subprocess.run([sys.executable, "-m", "forgepack", "profile", "tiny-llama", *args, "--workspace",
+                               str(tmp_path / "ws")], capture_output=True, text=True, timeout=120, check=False)
+        assert proc.returncode != 0 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+        assert not (tmp_path / "ws").exists()

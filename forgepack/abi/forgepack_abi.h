@@ -14,9 +14,13 @@
  * Return 0 on success; a nonzero value (e.g. a cudaError_t) makes the caller fall back to PyTorch.
  *
  * Tensor descriptors: `data` points at element 0 (storage offset already applied); `sizes` and
- * `strides` are in elements, `ndim` of them are valid. The card fixes the dtypes, sizes, strides
+ * `strides` are in elements, `ndim` of them are valid. An exact card fixes the dtypes, sizes, strides
  * and non-tensor arguments a kernel will ever see (the pack's guard enforces them), so a kernel may
- * specialise on them as compile-time constants.
+ * specialise on them as compile-time constants. A shape-family card fixes dtypes, ranks, fixed sizes
+ * and non-tensor arguments; its varying sizes (each in its range) and the strides that follow from
+ * them (c * product of sizes) arrive in the descriptors, and the outputs are allocated at those sizes.
+ * Data pointers are guaranteed only as aligned as the kernel states it needs (forgepack/needs.py;
+ * a kernel that states nothing gets each input at the offset modulo 16 bytes it was verified at).
  *
  * Inputs: the operator's tensor arguments in schema order, Tensor[] arguments flattened; an optional
  * tensor passed as None is a descriptor with data == NULL and dtype == FP_NONE.

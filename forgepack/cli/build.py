@@ -58,8 +58,10 @@ def build_command(
     target: Annotated[str | None, typer.Option(help="cpu or cuda (overrides the recipe)")] = None,
     task: Annotated[str | None, typer.Option(help=f"{', '.join(TASKS)} (overrides the recipe)")] = None,
     dtype: Annotated[str | None, typer.Option(help="float32, float16 or bfloat16 (overrides the recipe)")] = None,
-    batch: Annotated[int | None, typer.Option(help="batch size (overrides the recipe)")] = None,
-    seq_len: Annotated[int | None, typer.Option("--seq-len", help="sequence length (overrides the recipe)")] = None,
+    batch: Annotated[str | None, typer.Option(help="batch size, or a range such as 1-8 (overrides the recipe)")] = None,
+    seq_len: Annotated[str | None, typer.Option(
+        "--seq-len", help="sequence length, or a range such as 16-2048 (overrides the recipe)")] = None,
+    phase: Annotated[str | None, typer.Option(help="prefill, decode or generate (overrides the recipe)")] = None,
     workspace: Annotated[str | None, typer.Option(help="workspace directory (default .forgepack/<slug>)")] = None,
     strategy: Annotated[str, typer.Option(hidden=True, help="allocator or uniform (benchmarks)")] = "allocator",
     out_dir: Annotated[str, typer.Option("--out", help="where the pack wheel goes")] = "packs",
@@ -83,7 +85,8 @@ def build_command(
         llm_model = llm_model or old_llm_model
     build = {"budget": budget, "proposer": proposer, "max_cost": max_cost, "margin": margin, "llm_model": llm_model,
              "gate": False if no_gate else None}
-    recipe = resolve(spec, target=target, task=task, dtype=dtype, batch=batch, seq_len=seq_len, build=build)
+    recipe = resolve(spec, target=target, task=task, dtype=dtype, batch=batch, seq_len=seq_len, build=build,
+                     phase=phase)
     ws = workspace_for(recipe, workspace)
     view = BuildView(recipe, explain=explain, quiet=as_json)
     built = pipeline.build(recipe, ws, listener=view, strategy=strategy, executor=executor_kind,

@@ -18,11 +18,13 @@ console = Console(stderr=True, width=None if sys.stderr.isatty() else 160)
 out = Console(width=None if sys.stdout.isatty() else 160)
 
 
-def resolve(spec: str | None, target: str | None = None, dtype: str | None = None, batch: int | None = None,
-            seq_len: int | None = None, build: dict | None = None, task: str | None = None) -> Recipe:
-    """The recipe named on the command line, with the flags that override its fields applied."""
+def resolve(spec: str | None, target: str | None = None, dtype: str | None = None, batch: int | str | None = None,
+            seq_len: int | str | None = None, build: dict | None = None, task: str | None = None,
+            phase: str | None = None) -> Recipe:
+    """The recipe named on the command line, with the flags that override its fields applied (`batch`,
+    `seq_len`: a size or a range such as "1-8", parsed by the recipe)."""
     recipe = recipe_mod.resolve(spec)
-    workload = {"task": task, "dtype": dtype, "batch": batch, "seq_len": seq_len}
+    workload = {"task": task, "dtype": dtype, "batch": batch, "seq_len": seq_len, "phase": phase}
     sections = {"target": {"device": target}, "workload": workload, "build": build or {}}
     if any(v is not None for section in sections.values() for v in section.values()):
         recipe = recipe.replace(**sections)

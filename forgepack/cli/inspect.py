@@ -74,10 +74,12 @@ def overview(m: Manifest) -> Table:
     table = Table(title=f"{m.name} {m.version}", show_header=False)
     table.add_column("", style="bold")
     table.add_column("")
-    w = m.workload
+    w = {k: f"{v['min']}-{v['max']}" if isinstance(v, dict) else v for k, v in m.workload.items()}  # ranges
     shape = f"batch {w.get('batch')}, " + (f"{w.get('image_size')}px" if w.get("task") == "image-classification"
                                           else f"seq {w.get('seq_len')}" + (f", cache {w['cache_len']}"
                                                                             if w.get("cache_len") else ""))
+    if w.get("phase") == "generate":
+        shape += f", {w.get('new_tokens')} new tokens per capture point"
     rows = [
         ("model", f"{m.model.get('recipe', '?')} ({m.model.get('source', '?')})"),
         ("workload", f"{w.get('task')} {w.get('phase', '')}, {shape}, {w.get('dtype')}"
@@ -105,7 +107,8 @@ def _gate_text(s: GateSummary) -> str:
 
 
 def variants_table(m: Manifest) -> Table:
-    table = Table(title="kernels (guard: exactly this signature; anything else runs stock PyTorch)")
+    table = Table(title="kernels (guard: exactly this signature, or a family's sizes in its ranges "
+                        "(d0 in 1..8); anything else runs stock PyTorch)")
     for name, justify in (("variant", "left"), ("signature", "left"), ("calls", "right"), ("alone", "right"),
                           ("95% CI", "right"), ("e2e", "right"), ("tolerance", "left"), ("proposer", "left")):
         table.add_column(name, justify=justify, overflow="fold")

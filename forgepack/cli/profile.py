@@ -25,14 +25,15 @@ def profile_command(
     target: Annotated[str | None, typer.Option(help="cpu or cuda (overrides the recipe)")] = None,
     task: Annotated[str | None, typer.Option(help=f"{', '.join(TASKS)} (overrides the recipe)")] = None,
     dtype: Annotated[str | None, typer.Option(help="float32, float16 or bfloat16 (overrides the recipe)")] = None,
-    batch: Annotated[int | None, typer.Option(help="batch size (overrides the recipe)")] = None,
-    seq_len: Annotated[int | None, typer.Option("--seq-len", help="sequence length (overrides the recipe)")] = None,
+    batch: Annotated[str | None, typer.Option(help="batch size, or a range such as 1-8")] = None,
+    seq_len: Annotated[str | None, typer.Option("--seq-len", help="sequence length, or a range: 16-2048")] = None,
+    phase: Annotated[str | None, typer.Option(help="prefill, decode or generate (prefill + decode steps)")] = None,
     workspace: Annotated[str | None, typer.Option(help="workspace directory (default .forgepack/<slug>)")] = None,
     top: Annotated[int, typer.Option(help="rows to show (0 = all)")] = 25,
     as_json: Annotated[bool, typer.Option("--json", help="print JSON for machines")] = False,
 ) -> None:
     """Capture every aten call the model makes, time each variant, and show where the time goes."""
-    recipe = resolve(model, target=target, task=task, dtype=dtype, batch=batch, seq_len=seq_len)
+    recipe = resolve(model, target=target, task=task, dtype=dtype, batch=batch, seq_len=seq_len, phase=phase)
     ws = workspace_for(recipe, workspace)
     with progress(f"profiling {recipe.name}", enabled=not as_json) as note:
         profiled = pipeline.profile(recipe, ws, note, reuse=False)
@@ -68,7 +69,8 @@ def operator_table(result: profile_mod.ModelProfile, ops, top: int) -> Table:
     ranked = ops[: top or len(ops)]
     for c in ranked:
         p = c.profile
-        table.add_row(c.op_name, _short(c.signature()), str(c.calls), f"{p.eager_us:.1f}", f"{100 * p.share:.1f}",
+        sig = _short(c.signature(), 60 if c.family is None else 160)  # a family's ranges come last: keep them
+        table.add_row(c.op_name, sig, str(c.calls), f"{p.eager_us:.1f}", f"{100 * p.share:.1f}",
                       f"{p.roofline_us:.2f}", profile_mod.headroom_text(c), p.baseline)
     if len(ops) > len(ranked):
         rest = sum(c.profile.share for c in ops[len(ranked):])

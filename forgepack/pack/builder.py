@@ -197,7 +197,7 @@ def _variant(c: _Chosen) -> PackVariant:
         id=card.id, op=card.op, schema=card.schema, signature=card.signature(), args=card.args,
         outputs=card.outputs, kernel=f"kernels/{card.id}.so", source=f"sources/{card.id}{suffix}",
         tolerance=_tolerance(card), speedup=k.speedup, ci_low=k.ci_low, ci_high=k.ci_high, eager_us=k.eager_us,
-        kernel_us=k.kernel_us, proposer=k.proposer, calls=card.calls, modules=card.modules,
+        kernel_us=k.kernel_us, proposer=k.proposer, calls=card.calls, modules=card.modules, needs=k.needs,
     )
 
 
@@ -227,8 +227,8 @@ def stage(ws: Workspace, recipe: Recipe, chosen: list[_Chosen], root: Path, vers
         shutil.copyfile(header, pkg / "sources" / header.name)
     try:
         if ops:
-            code = shimgen.generate([shimgen.ShimVariant(c.card, v.kernel) for c, v in zip(ops, variants, strict=True)],
-                                    namespace, target, title=name)
+            code = shimgen.generate([shimgen.ShimVariant(c.card, v.kernel, v.needs)
+                                     for c, v in zip(ops, variants, strict=True)], namespace, target, title=name)
             (pkg / "sources" / "shim.cpp").write_text(code)
             shimgen.compile_shim(pkg / "sources" / "shim.cpp", pkg / SHIM_LIBRARY, [pkg / "sources"])
         spec = {}

@@ -20,8 +20,10 @@ from typing import Any
 
 import tomllib
 
+from forgepack import needs as needs_mod
 from forgepack import tomlwriter
 from forgepack.cards import Arg, TensorMeta, ValueStats
+from forgepack.needs import Needs
 from forgepack.runtime.packinfo import DIGEST_KEY, GraphVerdict, manifest_digest
 
 FORMAT = 1
@@ -61,6 +63,7 @@ class PackVariant:
     calls: int = 0  # per model forward, from capture
     modules: tuple[str, ...] = ()
     e2e_ratio: float | None = None  # gate: model time without this kernel / with it (> 1: it pays)
+    needs: Needs | None = None  # what the kernel needs of its inputs, as its guard checks (None: the default)
 
 
 @dataclass(frozen=True)
@@ -189,6 +192,7 @@ def to_dict(m: Manifest) -> dict[str, Any]:
         d = dataclasses.asdict(v)
         d["args"] = [_arg_dict(a) for a in v.args]
         d["outputs"] = [_meta_dict(o) for o in v.outputs]
+        d["needs"] = None if v.needs is None else needs_mod.to_json(v.needs)
         variants.append(_drop_none(d))
     return _drop_none({
         "format": FORMAT,
@@ -233,6 +237,8 @@ def _variant(d: dict[str, Any]) -> PackVariant:
     d["outputs"] = tuple(_meta(o) for o in d["outputs"])
     d["tolerance"] = tuple(OutputTolerance(**t) for t in d["tolerance"])
     d["modules"] = tuple(d.get("modules", ()))
+    if "needs" in d:
+        d["needs"] = needs_mod.from_json(d["needs"])
     return PackVariant(**d)
 
 

@@ -22,14 +22,17 @@ import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
-from forgepack.cards import DTYPE_CODES, Arg, Card, TensorMeta
+from forgepack import needs as needs_mod
+from forgepack.cards import DTYPE_CODES, Arg, Card, Family, Layout, TensorMeta
+from forgepack.families import MAX_STRIDE_DIMS
+from forgepack.needs import Align, Needs
 
 SHIM_DIR = Path(__file__).parent / "shim"
 ABI_DIR = Path(__file__).parent.parent / "abi"
 GUARD_HEADER = SHIM_DIR / "fp_guard.h"
 ABI_HEADER = ABI_DIR / "forgepack_abi.h"
 
-ALIGN_BYTES = 16  # fp_guard.h kAlignBytes
+ALIGN_BYTES = needs_mod.LEGACY_ALIGN  # fp_guard.h kAlignBytes
 MAX_DIMS = 8  # forgepack_abi.h FP_MAX_DIMS
 
 _SCALAR_TYPES = {
@@ -55,10 +58,15 @@ _MEMORY_FORMATS = {
 
 @dataclass(frozen=True)
 class ShimVariant:
-    """One variant the shim serves: its card and its kernel's path inside the package."""
+    """One variant the shim serves: its card, its kernel's path inside the package, and what the kernel
+    needs of its inputs (None: `needs.default`, the offset it was verified at)."""
 
     card: Card
     kernel_file: str  # e.g. "kernels/silu-243212f04a.so"
+    needs: Needs | None = None
+
+    def stated_needs(self) -> Needs:
+        return self.needs if self.needs is not None else needs_mod.default(self.card)
 
 
 class Unsupported(Exception):
@@ -106,6 +114,8 @@ def check_supported(card: Card, target: str, include_dirs: list[Path] | None = N
         _check_meta(m, device)
     for schema_arg, arg in zip(args, card.args, strict=True):
         _arg_guard(schema_arg.type, arg, "x")  # raises Unsupported for anything it cannot check
+    if card.family is not None:
+        _check_family(card)
     if include_dirs is not None:
         struct, header, _ = ops_struct(card.op)
         found = next((d / header for d in include_dirs if (d / header).is_file()), None)
@@ -122,6 +132,29 @@ def _check_meta(m: TensorMeta, device: str) -> None:
         raise Unsupported("an empty tensor (nothing to compute)")
     if m.device != device:
         raise Unsupported(f"a tensor on {m.device}, the pack targets {device}")
+
+
+def _check_family(card: Card) -> None:
+    fam = card.family
+    inputs = card.tensor_inputs()
+    if len(fam.inputs) != len(inputs) or len(fam.outputs) != len(card.outputs):
+        raise Unsupported("the family's layouts do not match the card's tensors")
+    names = {d.name for d in fam.dims}
+    for layout, meta in [*zip(fam.inputs, inputs, strict=True), *zip(fam.outputs, card.outputs, strict=True)]:
+        if (layout is None) != (meta is None):
+            raise Unsupported("the family's layouts do not match the card's tensors")
+        if layout is None:
+            continue
+        if len(layout.shape) != len(meta.shape) or len(layout.stride) != len(meta.shape):
+            raise Unsupported("a family layout's rank is not its tensor's")
+        used = {x for x in layout.shape if isinstance(x, str)} | {d for _, ds in layout.stride for d in ds}
+        if used - names:
+            raise Unsupported(f"a family layout names unknown dims {sorted(used - names)}")
+        if any(len(ds) > MAX_STRIDE_DIMS for _, ds in layout.stride):
+            raise Unsupported(f"a stride rule of more than {MAX_STRIDE_DIMS} dims")
+    bound = {x for lay in fam.inputs if lay is not None for x in lay.shape if isinstance(x, str)}
+    if names - bound:
+        raise Unsupported(f"dims {sorted(names - bound)} are no input's size: the guard cannot bind them")
 
 
 def unsupported_reason(card: Card, target: str, include_dirs: list[Path] | None = None) -> str | None:
@@ -182,21 +215,24 @@ class _Guard:
     int_lists: list[tuple[str, tuple[int, ...]]]  # (constant name, values) the checks refer to
 
 
-def _arg_guard(t, arg: Arg, p: str, spec: str = "s") -> _Guard:
-    """Checks for one argument `p` of schema type `t` against the card's `arg`."""
+def _arg_guard(t, arg: Arg, p: str, spec: str = "s", bind: str = "") -> _Guard:
+    """Checks for one argument `p` of schema type `t` against the card's `arg`. With `bind` (a family
+    variant's "<ranges>, <dim values>"), tensors are matched by binding the family's dims."""
     from torchgen.model import BaseTy, BaseType, ListType, OptionalType
 
     if isinstance(t, OptionalType):
         if arg.kind == "none" or (arg.kind == "value" and arg.value is None):
             return _Guard([f"fpg::is_none({p})"], [])
-        inner = _arg_guard(t.elem, arg, f"(*{p})", spec)
+        inner = _arg_guard(t.elem, arg, f"(*{p})", spec, bind)
         return _Guard([f"{p}.has_value()", *inner.checks], inner.int_lists)
     if isinstance(t, ListType):
-        return _list_guard(t, arg, p, spec)
+        return _list_guard(t, arg, p, spec, bind)
     if not isinstance(t, BaseType):
         raise Unsupported(f"argument type {t}")
     base = t.name
     if base == BaseTy.Tensor:
+        if arg.kind == "tensor" and bind:
+            return _Guard([f"fpg::bind({p}, {spec}, kDevice, {bind})"], [])
         if arg.kind == "tensor":
             return _Guard([f"fpg::match({p}, {spec}, kDevice)"], [])
         if arg.kind == "value" and isinstance(arg.value, bool | int | float):
@@ -224,13 +260,15 @@ def _arg_guard(t, arg: Arg, p: str, spec: str = "s") -> _Guard:
     raise Unsupported(f"argument {arg.name} of type {t} = {v!r}")
 
 
-def _list_guard(t, arg: Arg, p: str, spec: str) -> _Guard:
+def _list_guard(t, arg: Arg, p: str, spec: str, bind: str = "") -> _Guard:
     from torchgen.model import BaseTy, BaseType
 
     elem = t.elem
     if isinstance(elem, BaseType) and elem.name == BaseTy.Tensor:
         if arg.kind != "tensors":
             raise Unsupported(f"argument {arg.name}: a Tensor[] the card holds as {arg.kind}")
+        if bind:
+            return _Guard([f"fpg::bind_list({p}, {spec}, {len(arg.tensors)}, kDevice, {bind})"], [])
         return _Guard([f"fpg::match_list({p}, {spec}, {len(arg.tensors)}, kDevice)"], [])
     if isinstance(elem, BaseType) and elem.name in (BaseTy.int, BaseTy.SymInt):
         values = arg.value
@@ -247,9 +285,11 @@ def _list_guard(t, arg: Arg, p: str, spec: str) -> _Guard:
 # --- the generated file -------------------------------------------------------------------------------
 
 
-def _meta_constants(name: str, m: TensorMeta) -> list[str]:
-    itemsize = m.itemsize
-    align = (m.storage_offset * itemsize) % ALIGN_BYTES
+def _meta_constants(name: str, m: TensorMeta, need: Align | None = None) -> list[str]:
+    """An exact tensor's spec; `need` None (an output) or the legacy need keeps today's text."""
+    legacy = needs_mod.legacy_align(m)
+    need = need or legacy
+    align = f"{need.offset}" if need == legacy else f"{need.offset}, {need.bytes}"
     lines = []
     if m.shape:
         lines.append(f"constexpr int64_t {name}_sizes[] = {{{', '.join(map(str, m.shape))}}};")
@@ -264,23 +304,84 @@ def _meta_constants(name: str, m: TensorMeta) -> list[str]:
     return lines
 
 
+def _family_constants(name: str, m: TensorMeta, layout: Layout, family: Family, need: Align) -> list[str]:
+    """A family tensor's spec: per axis a dim index or a fixed size, per axis a stride rule."""
+    index = {d.name: i for i, d in enumerate(family.dims)}
+    lines = []
+    if layout.shape:
+        axes = ", ".join(f"{{{index[x]}, 0}}" if isinstance(x, str) else f"{{-1, {x}}}" for x in layout.shape)
+        rules = ", ".join(f"{{{c}, {len(ds)}, {{{', '.join(str(index[d]) for d in ds)}}}}}" for c, ds in layout.stride)
+        lines.append(f"constexpr fpg::AxisSize {name}_sizes[] = {{{axes}}};")
+        lines.append(f"constexpr fpg::StrideRule {name}_strides[] = {{{rules}}};")
+        sizes, strides = f"{name}_sizes", f"{name}_strides"
+    else:
+        sizes = strides = "nullptr"
+    lines.append(
+        f"constexpr fpg::FamilySpec {name}{{c10::ScalarType::{_SCALAR_TYPES[m.dtype]}, {DTYPE_CODES[m.dtype]}, "
+        f"{len(m.shape)}, {sizes}, {strides}, {need.offset}, {need.bytes}}};"
+    )
+    return lines
+
+
+def _numel_expr(layout: Layout, family: Family, dv: str) -> str:
+    index = {d.name: i for i, d in enumerate(family.dims)}
+    fixed = math.prod(x for x in layout.shape if isinstance(x, int))
+    return " * ".join([cpp_int(fixed), *(f"{dv}[{index[x]}]" for x in layout.shape if isinstance(x, str))])
+
+
+def _size_checks(card: Card, needs: Needs, dv: str) -> list[str]:
+    """The needs' divisibility as C++ checks on the bound dims; for an exact card, decided here."""
+    fam = card.family
+    if fam is None:
+        inputs = card.tensor_inputs()
+        for i, k in needs.numel_multiple:
+            if inputs[i].numel % k:
+                raise Unsupported(f"the kernel needs input {i}'s numel a multiple of {k}; the card's is "
+                                  f"{inputs[i].numel}")
+        return []
+    index = {d.name: i for i, d in enumerate(fam.dims)}
+    checks = [f"({dv}[{index[name]}] % {k} == 0)" for name, k in needs.dim_multiple]
+    checks += [f"(({_numel_expr(fam.inputs[i], fam, dv)}) % {k} == 0)" for i, k in needs.numel_multiple]
+    return checks
+
+
 def _variant_block(v: int, sv: ShimVariant, fs, struct_r: str) -> tuple[list[str], list[str]]:
     """(namespace-scope constants, statements inside the override) for variant v."""
-    card = sv.card
+    from torchgen.model import OptionalType
+
+    card, needs = sv.card, sv.stated_needs()
+    fam = card.family
+    dv = f"dv{v}"
+    bind = f"v{v}_ranges, {dv}" if fam is not None else ""
+    in_layouts = list(fam.inputs) if fam is not None else []
     consts: list[str] = [f"// variant {v}: {card.id}  {card.signature()}"]
+    if fam is not None:
+        consts.append(f"// family: {', '.join(f'{d.name} in {d.min}..{d.max}' for d in fam.dims)}")
+        ranges = ", ".join(f"{{{d.min}, {d.max}}}" for d in fam.dims)
+        consts.append(f"constexpr fpg::DimRange v{v}_ranges[] = {{{ranges}}};")
     checks: list[str] = [f"variants[{v}].enabled.load(std::memory_order_relaxed)"]
     tensor_checks: list[str] = []
+    stride_checks: list[str] = []
     same: list[str] = []
     grad: list[str] = []
     describe: list[str] = []
     n_in = 0
+
+    def spec_lines(name: str, m: TensorMeta, k: int) -> list[str]:
+        if fam is None:
+            return _meta_constants(name, m, needs.align[k])
+        return _family_constants(name, m, in_layouts[k], fam, needs.align[k])
+
+    spec_type = "fpg::FamilySpec" if fam is not None else "fpg::TensorSpec"
     for i, (schema_arg, arg) in enumerate(zip(fs.arguments.flat_all, card.args, strict=True)):
         p = f"a{i}"
         spec = f"v{v}_a{i}"
-        g = _arg_guard(schema_arg.type, arg, p, spec)
+        g = _arg_guard(schema_arg.type, arg, p, spec, bind)
         if arg.kind == "tensor":
-            consts += _meta_constants(spec, arg.tensor)
+            consts += spec_lines(spec, arg.tensor, n_in)
             tensor_checks += g.checks
+            value = f"(*{p})" if isinstance(schema_arg.type, OptionalType) else p
+            stride_checks.append(f"fpg::strides_ok({value}, {spec}, {dv})")
             same.append(f"same.add({p})")
             grad.append(f"fpg::needs_grad({p})")
             describe.append(f"fpg::describe(in[{n_in}], {p}, {spec}.abi_dtype);")
@@ -288,10 +389,11 @@ def _variant_block(v: int, sv: ShimVariant, fs, struct_r: str) -> tuple[list[str
         elif arg.kind == "tensors":
             names = []
             for k, m in enumerate(arg.tensors):
-                consts += _meta_constants(f"{spec}_{k}", m)
+                consts += spec_lines(f"{spec}_{k}", m, n_in + k)
                 names.append(f"{spec}_{k}")
-            consts.append(f"constexpr fpg::TensorSpec {spec}[] = {{{', '.join(names)}}};")
+            consts.append(f"constexpr {spec_type} {spec}[] = {{{', '.join(names)}}};")
             tensor_checks += g.checks
+            stride_checks.append(f"fpg::strides_ok_list({p}, {spec}, {dv})")
             same.append(f"same.add_list({p})")
             grad.append(f"fpg::list_needs_grad({p})")
             describe.append(f"{{ size_t k = {n_in}; for (const at::Tensor& t : {p}) {{ "
@@ -305,16 +407,25 @@ def _variant_block(v: int, sv: ShimVariant, fs, struct_r: str) -> tuple[list[str
             for name, values in g.int_lists:
                 consts.append(f"constexpr int64_t {name}[] = {{{', '.join(cpp_int(x) for x in values)}}};")
             checks += g.checks  # values are cheaper than tensors: checked first
+    if fam is not None:  # strides once every dim is bound, then the kernel's divisibility needs
+        tensor_checks += stride_checks
+    tensor_checks += _size_checks(card, needs, dv)
     outs = []
     for j, m in enumerate(card.outputs):
-        consts += _meta_constants(f"v{v}_out{j}", m)
+        if fam is None:
+            consts += _meta_constants(f"v{v}_out{j}", m)
+        else:
+            consts += _family_constants(f"v{v}_out{j}", m, fam.outputs[j], fam, Align())
         outs.append(f"v{v}_out{j}")
+    alloc_dims = f", {dv}" if fam is not None else ""
     scalars = card.scalars()
     if scalars:
         consts.append(f"constexpr fp_scalar v{v}_scalars[] = {{{', '.join(fp_scalar(s) for s in scalars)}}};")
     joined = " &&\n      ".join(checks + tensor_checks)
+    unbound = [f"  int64_t {dv}[{len(fam.dims)}] = {{{', '.join(['-1'] * len(fam.dims))}}};"] if fam else []
     body = [
         f"  // variant {v}: {card.id}",
+        *unbound,
         f"  if ({joined}) {{",
         "    fpg::SameDevice same;",
         f"    if ({' && '.join(same)} && control.device_ok(same.device) &&",
@@ -322,7 +433,8 @@ def _variant_block(v: int, sv: ShimVariant, fs, struct_r: str) -> tuple[list[str
         "      c10::OptionalDeviceGuard guard;",
         "      if constexpr (kCuda) guard.reset_device(same.device);",
     ]
-    body += [f"      at::Tensor out{j} = fpg::alloc(kBackend, same.device, {o});" for j, o in enumerate(outs)]
+    body += [f"      at::Tensor out{j} = fpg::alloc(kBackend, same.device, {o}{alloc_dims});"
+             for j, o in enumerate(outs)]
     body.append(f"      fp_tensor in[{max(n_in, 1)}];")
     body += [f"      {line}" for line in describe]
     body.append(f"      fp_tensor out[{len(outs)}];")
@@ -346,6 +458,7 @@ def generate(variants: list[ShimVariant], namespace: str, target: str, title: st
     """The shim's C++ source for these variants (in guard order), control ops in `namespace`."""
     for sv in variants:
         check_supported(sv.card, target)
+        needs_mod.validate(sv.stated_needs(), sv.card)
     if not re.fullmatch(r"[a-z_][a-z0-9_]*", namespace):
         raise ValueError(f"bad op namespace {namespace!r}")
     cuda = target == "cuda"

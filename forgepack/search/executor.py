@@ -189,6 +189,7 @@ class LocalExecutor:
             started.wait(timeout)
 
     def _evaluate_loop(self, device_index: int, slot: int) -> None:
+        from forgepack import familyeval
         from forgepack.evaluate import Evaluator
 
         evaluator, broken = None, None
@@ -212,8 +213,8 @@ class LocalExecutor:
                 try:
                     built = compiled.result()
                     started = time.monotonic()
-                    verdict = evaluator.evaluate_compiled(
-                        card, built, source, samples_path=samples_path, margin=self.margin, bench=True
+                    verdict = familyeval.evaluate_compiled(  # a family card: over its range
+                        evaluator, card, built, source, samples_path=samples_path, margin=self.margin, bench=True
                     )
                     verdict = with_object_hash(verdict)
                 except BaseException as err:  # reported through the future, never lost in a thread

@@ -261,14 +261,16 @@ class EvaluatorActor:
     def evaluate(self, card: Card, compiled: CompiledObject, source: str, samples: tuple | None,
                  margin: float) -> tuple[Any, CompileResult]:
         """(verdict, the compile result without its bytes: the driver's pace needs its time only)."""
+        from forgepack import familyeval  # lazily, as the local executor does
+
         if self.evaluator is None:
             raise ForgepackError(f"this evaluator was refused: {self.refusal}")
         self.busy = True
         try:
             built = materialize(compiled)
             path = materialize_samples(*samples) if samples else None
-            verdict = self.evaluator.evaluate_compiled(card, built, source, samples_path=path, margin=margin,
-                                                       bench=True)
+            verdict = familyeval.evaluate_compiled(self.evaluator, card, built, source, samples_path=path,
+                                                   margin=margin, bench=True)  # a family card: over its range
             self.evaluated += 1
             return with_object_hash(verdict), built  # hashed from the file that was verified and timed
         finally:

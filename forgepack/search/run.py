@@ -423,6 +423,8 @@ class Search:
 
     def accepted(self) -> list[AcceptedKernel]:
         """The best accepted candidate per card (highest speed-up; earliest on ties)."""
+        from forgepack.templates import needs_of  # lazy, as the templates proposer imports them
+
         out = []
         for card_id, tree in self.trees.items():
             best = tree.best()
@@ -446,6 +448,7 @@ class Search:
                     proposer=rec.proposer,
                     candidate_id=rec.id,
                     kind=card.kind,
+                    needs=needs_of(card, self.settings.target, rec.params) if card.kind == "op" else None,
                     binary_sha256=(rec.verdict or {}).get("diagnostics", {}).get("binary_sha256", ""),
                 )
             )

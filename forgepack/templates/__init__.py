@@ -19,6 +19,7 @@ C++17 loops from the same programs: correct first, fast second.
 from __future__ import annotations
 
 from forgepack.cards import Card
+from forgepack.needs import Needs
 from forgepack.templates import elementwise, fused, gemm, norm, pool, rowreduce
 from forgepack.templates.common import Template, on_device
 
@@ -48,6 +49,18 @@ def by_name(name: str) -> Template:
         if t.name == name:
             return t
     raise KeyError(f"no template named {name!r}")
+
+
+def needs_of(card: Card, target: str, params: dict) -> Needs | None:
+    """The needs a templates candidate's kernel states (`params` as the proposer records them:
+    {"template": name, "params": {...}}); None for another proposer's kernel (the default applies)."""
+    name = params.get("template") if isinstance(params, dict) else None
+    if name is None:
+        return None
+    try:
+        return by_name(name).needs(card, target, params.get("params", {}))
+    except KeyError:  # a template since removed: its kernel was verified as it was, by today's rule
+        return None
 
 
 def neighbours(template: Template, card: Card, target: str, params: dict) -> list[dict]:

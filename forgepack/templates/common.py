@@ -19,7 +19,9 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
+from forgepack import needs as needs_mod
 from forgepack.cards import DTYPE_CODES, DTYPE_SIZES, Card, TensorMeta
+from forgepack.needs import Needs
 
 TARGETS = ("cuda", "cpu")
 FLOATS = ("float32", "float16", "bfloat16")  # dtypes the arithmetic templates compute on
@@ -454,6 +456,8 @@ class Template:
     ops: tuple[str, ...]  # op overloads served, e.g. ("aten._softmax.default",)
     archs: tuple[str, ...] = ()  # cuda archs whose instructions the kernel needs (empty: any)
 
+    generic = False  # renders size-generic kernels for family cards (`forgepack.templates.generic`)
+
     def supports(self, card: Card, target: str, arch: str | None = None) -> str | None:
         """None if this template serves the card on `target`; else the reason it refuses. `arch`: the
         GPU the pack is built for (the recipe's or the profiled device's); None checks no arch."""
@@ -464,18 +468,28 @@ class Template:
 
     def space(self, card: Card, target: str) -> dict[str, list]:
         """Parameter axes: every combination of one value per axis is a valid point."""
-        return self.axes(self._plan_or_raise(card, target), target)
+        return self._axes(self._plan_or_raise(card, target), target)
 
     def default(self, card: Card, target: str) -> dict:
         """A good first point, from heuristics on the shape."""
         plan = self._plan_or_raise(card, target)
+        if isinstance(plan, FamilyPlan):
+            return self.family_default(plan, self._axes(plan, target), target)
         return self.pick_default(plan, self.axes(plan, target), target)
 
     def render(self, card: Card, target: str, params: dict) -> str:
         """Complete kernel source for the ABI at this parameter point."""
         plan = self._plan_or_raise(card, target)
-        check_params(self.name, self.axes(plan, target), params)
+        check_params(self.name, self._axes(plan, target), params)
+        if isinstance(plan, FamilyPlan):
+            return self.family_emit(card, plan, target, dict(params))
         return self.emit(card, plan, target, dict(params))
+
+    def needs(self, card: Card, target: str, params: dict) -> Needs:
+        """What the kernel rendered at `params` needs of its inputs (pointer alignment, divisibility:
+        `forgepack.needs`), which the pack's guard checks. The default is today's rule, each input at
+        the offset modulo 16 bytes it was verified at; a size-generic template states what it uses."""
+        return needs_mod.default(card)
 
     # --- for subclasses ---
     def plan(self, card: Card, target: str) -> Any:
@@ -490,22 +504,53 @@ class Template:
     def emit(self, card: Card, plan: Any, target: str, params: dict) -> str:
         raise NotImplementedError
 
+    # --- for subclasses with `generic = True`: the size-generic render of a family card ---
+    def family_plan(self, card: Card, plan: Any, target: str) -> Any:
+        """The plan of the family's representative member, checked for the whole family (or a reason)."""
+        raise NotImplementedError
+
+    def family_axes(self, plan: FamilyPlan, target: str) -> dict[str, list]:
+        raise NotImplementedError
+
+    def family_default(self, plan: FamilyPlan, axes: dict[str, list], target: str) -> dict:
+        return {k: v[0] for k, v in axes.items()}
+
+    def family_emit(self, card: Card, plan: FamilyPlan, target: str, params: dict) -> str:
+        raise NotImplementedError
+
     # --- internals ---
+    def _axes(self, plan: Any, target: str) -> dict[str, list]:
+        return self.family_axes(plan, target) if isinstance(plan, FamilyPlan) else self.axes(plan, target)
+
     def _checked_plan(self, card: Card, target: str) -> Any:
         if target not in self.targets:
             return f"{self.name} has no {target} kernel"
         if card.op not in self.ops:
             return f"{self.name} serves {', '.join(self.ops)}, not {card.op}"
+        if card.family is not None and not self.generic:
+            return f"{self.name} has no size-generic kernel for a shape family"
         reason = common_refusal(card, target)
         if reason:
             return reason
-        return self.plan(card, target)
+        plan = self.plan(card, target)
+        if card.family is None or isinstance(plan, str):
+            return plan
+        return self.family_plan(card, plan, target)
 
     def _plan_or_raise(self, card: Card, target: str) -> Any:
         result = self._checked_plan(card, target)
         if isinstance(result, str):
             raise ValueError(f"{self.name} does not serve {card.op} [{card.signature()}] on {target}: {result}")
         return result
+
+
+@dataclass(frozen=True)
+class FamilyPlan:
+    """A family card's plan: what its representative member's plan says (dtypes, expressions, slots),
+    the sizes left to be read at run time."""
+
+    base: Any  # the representative member's plan
+    info: Any = None  # what the template's family render needs besides
 
 
 def check_params(name: str, axes: dict[str, list], params: dict) -> None:

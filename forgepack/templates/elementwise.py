@@ -25,10 +25,12 @@ import math
 import struct
 from dataclasses import dataclass
 
-from forgepack.cards import Card
+from forgepack.cards import DTYPE_SIZES, Card
+from forgepack.templates import generic
 from forgepack.templates.common import (
     CAST_SOURCES,
     FLOATS,
+    FamilyPlan,
     Template,
     View,
     align_check,
@@ -359,7 +361,41 @@ def _cpu_job(k: int, job: Job, itype: str) -> str:
 
 
 class PointwiseTemplate(Template):
-    """Shared plumbing: `plan` returns the job list; parameters are block, vec, unroll (cuda)."""
+    """Shared plumbing: `plan` returns the job list; parameters are block, vec, unroll (cuda).
+    Family cards get the size-generic render (`forgepack.templates.generic`): block and the widest
+    vector the run-time geometry may take."""
+
+    generic = True
+
+    def family_plan(self, card, plan, target):
+        if (card.op == "aten.gelu.default" and target == "cpu" and value(card, "approximate", "none") == "none"
+                and card.outputs[0].dtype != "float16"):
+            return "aten's CPU gelu is position-dependent at +inf: no size-generic kernel"
+        if isinstance(self, CatTemplate):
+            out = card.outputs[0]
+            jobs = [generic.GenericJob(0, out.dtype, (slot,), (m.dtype,), None if m.dtype == out.dtype else "a0")
+                    for slot, m in enumerate(arg(card, "tensors").tensors)]
+        else:
+            jobs = [generic.GenericJob(j.out_slot, j.out.dtype, j.in_slots, tuple(v.dtype for v in j.ins), j.expr,
+                                       exact=isinstance(self, CopyTemplate)) for j in plan]
+        return FamilyPlan(plan, tuple(jobs))
+
+    def family_axes(self, plan, target):
+        if target == "cpu":
+            return {}
+        smallest = min(DTYPE_SIZES[d] for j in plan.info for d in (j.out_dtype, *j.in_dtypes))
+        return {"block": list(BLOCKS), "vec": [v for v in (1, 2, 4, 8, 16) if v * smallest <= 16]}
+
+    def family_default(self, plan, axes, target):
+        return {} if target == "cpu" else {"block": 256, "vec": axes["vec"][-1]}
+
+    def family_emit(self, card, plan, target, params):
+        fields, inits = _pointer_fields(card, list(plan.info), target)
+        dim = value(card, "dim", 0) % len(card.outputs[0].shape) if isinstance(self, CatTemplate) else None
+        return generic.render_pointwise(card, target, list(plan.info), fields, inits, params, prelude(target), dim)
+
+    def needs(self, card, target, params):
+        return generic.natural_needs(card) if card.family is not None else super().needs(card, target, params)
 
     def axes(self, plan, target):
         return pointwise_axes(plan, target)

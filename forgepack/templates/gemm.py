@@ -30,7 +30,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from forgepack.cards import Card
-from forgepack.templates.common import Template, align_check, ceil_div, ctype, entry, launch_status, prelude
+from forgepack.needs import Align, Needs
+from forgepack.templates import generic as generic_mod
+from forgepack.templates.common import (
+    FamilyPlan,
+    Template,
+    align_check,
+    ceil_div,
+    ctype,
+    entry,
+    launch_status,
+    prelude,
+)
 
 TILES = ["128x128", "128x256", "256x128", "64x128"]
 BKS = [32, 64]
@@ -473,13 +484,45 @@ class GemvTemplate(Template):
     def emit(self, card: Card, plan: GemmPlan, target: str, params: dict) -> str:
         return render_gemv(card, plan, params)
 
+    # A family whose row count varies with the batch (decode at batch 1..8): N, K and every stride fixed,
+    # the kernel instantiated for each row count and picked at run time.
+    generic = True
 
-def render_gemv(card: Card, plan: GemmPlan, params: dict) -> str:
+    def family_plan(self, card, plan, target):
+        fam = card.family
+        a, b, out = fam.inputs[0], fam.inputs[1], fam.outputs[0]
+        if any(isinstance(size, str) for size in (a.shape[1], *b.shape, out.shape[1])):
+            return "only the row count may vary across the family"
+        if any(dims for lay in (a, b, out) for _, dims in lay.stride):
+            return "the strides vary across the family"
+        if isinstance(a.shape[0], str) and fam.dim(a.shape[0]).max > GEMV_MAX_ROWS:
+            return f"more than {GEMV_MAX_ROWS} rows at the top of the range"
+        return FamilyPlan(plan)
+
+    def family_axes(self, plan, target):
+        return self.axes(plan.base, target)
+
+    def family_default(self, plan, axes, target):
+        return self.pick_default(plan.base, axes, target)
+
+    def family_emit(self, card, plan, target, params):
+        return render_gemv(card, plan.base, params, generic=True)
+
+    def needs(self, card, target, params):
+        if card.family is None:
+            return super().needs(card, target, params)
+        return Needs((Align(16), Align(16)))  # uint4 loads of a and w; the output is the guard's allocation
+
+
+def render_gemv(card: Card, plan: GemmPlan, params: dict, generic: bool = False) -> str:
+    """`generic`: a family card's kernel, `template <int M>` on the row count, launched for the
+    descriptor's rows (1..8); N, K and the strides stay constants (checked)."""
     warps, cols, unroll = params["warps"], params["cols"], params["unroll"]
     t = ctype(plan.dtype, "cuda")
     pair, to_float2 = (("__nv_bfloat162", "__bfloat1622float2") if plan.dtype == "bfloat16"
                        else ("__half2", "__half22float2"))
-    m, n, k = plan.m, plan.n, plan.k
+    m, n, k = ("M" if generic else plan.m), plan.n, plan.k
+    tm = "template <int M>\n" if generic else ""
     threads = warps * 32
     grid = ceil_div(n, warps * cols)
     kernel = f"""
@@ -494,7 +537,7 @@ FP_FN void fp_unpack8(const uint4& v, float* f) {{
   }}
 }}
 
-__global__ void __launch_bounds__({threads}) fp_gemv(const {t}* __restrict__ a, const {t}* __restrict__ w,
+{tm}__global__ void __launch_bounds__({threads}) fp_gemv(const {t}* __restrict__ a, const {t}* __restrict__ w,
                                                    {t}* __restrict__ c) {{
   const int lane = threadIdx.x % 32;
   const int col0 = (blockIdx.x * {warps} + threadIdx.x / 32) * {cols};
@@ -553,7 +596,25 @@ __global__ void __launch_bounds__({threads}) fp_gemv(const {t}* __restrict__ a, 
   if (!({align_check([("a", 16), ("w", 16)])})) return FP_ERR_UNSUPPORTED;
   fp_gemv<<<{grid}u, {threads}, 0, stream>>>(a, w, ({t}*)call->outputs[0].data);
   {launch_status("cuda")}"""
-    return prelude("cuda") + kernel + entry(card, "cuda", body)
+    if not generic:
+        return prelude("cuda") + kernel + entry(card, "cuda", body)
+    b = card.tensor_inputs()[1]
+    checks = ["const int64_t rows = call->inputs[0].sizes[0];",
+              f"if (rows < 1 || rows > {GEMV_MAX_ROWS} || call->outputs[0].sizes[0] != rows) "
+              "return FP_ERR_UNSUPPORTED;",
+              f"if ((rows > 1 && call->inputs[0].strides[0] != {plan.lda}LL) || call->inputs[0].strides[1] != 1LL) "
+              "return FP_ERR_UNSUPPORTED;",
+              f"if ((rows > 1 && call->outputs[0].strides[0] != {n}LL) || call->outputs[0].strides[1] != 1LL) "
+              "return FP_ERR_UNSUPPORTED;"]
+    checks += [f"if (call->inputs[1].strides[{d}] != {st}LL) return FP_ERR_UNSUPPORTED;"
+               for d, (size, st) in enumerate(zip(b.shape, b.stride, strict=True)) if size != 1]
+    cases = " ".join(f"case {r}: fp_gemv<{r}><<<{grid}u, {threads}, 0, stream>>>(a, w, c); break;"
+                     for r in range(1, GEMV_MAX_ROWS + 1))
+    body = "\n  ".join([*checks, f"const {t}* a = (const {t}*)call->inputs[0].data;",
+                        f"const {t}* w = (const {t}*)call->inputs[1].data;", f"{t}* c = ({t}*)call->outputs[0].data;",
+                        f"if (!({align_check([('a', 16), ('w', 16)])})) return FP_ERR_UNSUPPORTED;",
+                        f"switch (rows) {{ {cases} default: return FP_ERR_UNSUPPORTED; }}", launch_status("cuda")])
+    return prelude("cuda") + generic_mod.helpers(1) + kernel + generic_mod.entry(card, "cuda", body)
 
 
 TEMPLATES = (

@@ -20,8 +20,10 @@ import math
 from dataclasses import dataclass, field
 
 from forgepack.cards import Card, TensorMeta
+from forgepack.templates import generic
 from forgepack.templates.common import (
     FLOATS,
+    FamilyPlan,
     Template,
     View,
     align_check,
@@ -161,6 +163,16 @@ def _row_offsets(prog: RowProgram, itype: str) -> str:
     return offsets_code(prog.outer, views, "row", names, itype)
 
 
+def _geom_offsets(prog: RowProgram, itype: str) -> str:
+    """The row's offsets decoded from the run-time geometry `g` (view order: x, outs, row outs)."""
+    names = ["xo_"] + [f"eo{s}_" for s, _ in prog.outs] + [f"ro{s}_" for s, _ in prog.row_outs]
+    decl = " ".join(f"{itype} {n} = 0;" for n in names)
+    adds = " ".join(f"{n} += c_ * ({itype})g.s[{v}][d];" for v, n in enumerate(names))
+    return (f"{decl}\n{{ {itype} r_ = row;\n"
+            f"  for (int d = g.nd - 1; d >= 0; --d) {{ const {itype} c_ = r_ % ({itype})g.n[d]; "
+            f"r_ /= ({itype})g.n[d]; {adds} }} }}")
+
+
 def _param_loads(prog: RowProgram, target: str, exprs: list[str], vector: bool) -> tuple[list[str], list[str]]:
     """(per-vector statements, per-element statements) loading the params the expressions use."""
     per_vec, per_elem = [], []
@@ -241,7 +253,8 @@ def _cuda_cross(name: str, op: str) -> str:
     )
 
 
-def _cuda_kernel(prog: RowProgram, tpr: int, vec: int, rpb: int, itype: str) -> str:
+def _cuda_kernel(prog: RowProgram, tpr: int, vec: int, rpb: int, itype: str, geom: bool = False) -> str:
+    """`geom`: the size-generic form (family cards): rows and their offsets from `g` at run time."""
     items = ceil_div(prog.n, tpr * vec)
     regs = items * vec <= REG_ELEMS
     steps = prog.steps if regs or prog.loop_steps is None else prog.loop_steps
@@ -270,17 +283,18 @@ def _cuda_kernel(prog: RowProgram, tpr: int, vec: int, rpb: int, itype: str) -> 
             t = ctype(dict(prog.row_outs)[st.slot].dtype, "cuda")
             parts.append(f"  if (lane == 0 && row_ok) p.out{st.slot}[ro{st.slot}_] = fp_st<{t}>({st.expr});")
     body = "\n".join(parts)
+    rows, last = ("g.numel", "g.numel - 1") if geom else (f"{prog.rows}u", f"{prog.rows - 1}u")
     return f"""
 template <int VEC, int TPR, int RPB>
-__global__ void __launch_bounds__(TPR * RPB) fp_rows(const fp_args p) {{
+__global__ void __launch_bounds__(TPR * RPB) fp_rows(const fp_args p{", const fp_geom g" if geom else ""}) {{
   constexpr int N = {prog.n};
   {"constexpr int ITEMS = (N + TPR * VEC - 1) / (TPR * VEC);" if regs else ""}
   const int lane = threadIdx.x % TPR, rib = threadIdx.x / TPR;
   const {itype} row_raw = ({itype})blockIdx.x * RPB + rib;
-  const bool row_ok = row_raw < {prog.rows}u;
-  const {itype} row = row_ok ? row_raw : {prog.rows - 1}u;  // idle rows still join the shuffles
+  const bool row_ok = row_raw < {rows};
+  const {itype} row = row_ok ? row_raw : {last};  // idle rows still join the shuffles
   (void)row;
-  {_indent(_row_offsets(prog, itype), 2)}
+  {_indent(_geom_offsets(prog, itype) if geom else _row_offsets(prog, itype), 2)}
   {_indent(chr(10).join(prog.lets), 2)}
 {body}
 }}
@@ -291,7 +305,7 @@ def _indent(text: str, n: int) -> str:
     return text.replace("\n", "\n" + " " * n)
 
 
-def _cpu_kernel(prog: RowProgram, itype: str) -> str:
+def _cpu_kernel(prog: RowProgram, itype: str, geom: bool = False) -> str:
     parts = []
     xs = prog.x.strides[-1]
     for st in prog.steps:
@@ -321,9 +335,9 @@ def _cpu_kernel(prog: RowProgram, itype: str) -> str:
             parts.append(f"p.out{st.slot}[ro{st.slot}_] = fp_st<{t}>({st.expr});")
     body = "\n    ".join(parts)
     return f"""
-static void fp_rows(const fp_args& p) {{
-  for ({itype} row = 0; row < {prog.rows}u; ++row) {{
-    {_indent(_row_offsets(prog, itype), 4)}
+static void fp_rows(const fp_args& p{", const fp_geom& g" if geom else ""}) {{
+  for ({itype} row = 0; row < {"g.numel" if geom else f"{prog.rows}u"}; ++row) {{
+    {_indent(_geom_offsets(prog, itype) if geom else _row_offsets(prog, itype), 4)}
     {_indent(chr(10).join(prog.lets), 4)}
     {body}
   }}
@@ -346,7 +360,10 @@ def _fields(card: Card, prog: RowProgram, target: str) -> tuple[str, list[str]]:
     return " ".join(fields), inits
 
 
-def render_rows(card: Card, target: str, prog: RowProgram, params: dict) -> str:
+def render_rows(card: Card, target: str, prog: RowProgram, params: dict, family_k: int | None = None) -> str:
+    """`family_k`: a family card reduced over its last k dims, rendered size-generic (`render_family_rows`)."""
+    if family_k is not None:
+        return render_family_rows(card, target, prog, params, family_k)
     fields, inits = _fields(card, prog, target)
     views = [prog.x] + [o for _, o in prog.outs] + [o for _, o in prog.row_outs]
     shape = (*prog.outer, prog.n) if prog.outer else (prog.n,)
@@ -369,6 +386,93 @@ def render_rows(card: Card, target: str, prog: RowProgram, params: dict) -> str:
         f"else fp_rows<1, {tpr}, {rpb}><<<{grid}u, {tpr * rpb}, 0, stream>>>(p);\n  " + launch_status(target)
     )
     return head + _cuda_kernel(prog, tpr, vec, rpb, itype) + entry(card, target, launch)
+
+
+def render_family_rows(card: Card, target: str, prog: RowProgram, params: dict, k: int) -> str:
+    """The row program with N (and every inner stride, every parameter's layout) a constant, the rows
+    and their strides read from the descriptors: the outer dims of x, each per-element output and each
+    per-row output, coalesced on the host (`generic.HOST_HELPERS`)."""
+    fields, inits = _fields(card, prog, target)
+    ins, outs = card.tensor_inputs(), card.outputs
+    nviews = 1 + len(prog.outs) + len(prog.row_outs)
+    head = prelude(target) + generic.helpers(nviews) + f"\nstruct fp_args {{ {fields} }};\n"
+    x = f"call->inputs[{prog.x_slot}]"
+    outer = len(ins[prog.x_slot].shape) - k
+    body = ["fp_args p;", *inits, *_fixed_stride_checks(card, prog, k), "fp_geom g;",
+            f"g.nd = {outer};", f"for (int d = 0; d < {outer}; ++d) g.n[d] = {x}.sizes[d];",
+            "for (int v = 0; v < FP_GV; ++v) { g.base[v] = 0; for (int d = 0; d < FP_GD; ++d) g.s[v][d] = 0; }"]
+    descs = [x] + [f"call->outputs[{s}]" for s, _ in prog.outs] + [f"call->outputs[{s}]" for s, _ in prog.row_outs]
+    for v, desc in enumerate(descs):
+        body.append(f"for (int d = 0; d < {outer}; ++d) {{ if ({desc}.ndim < {outer} || {desc}.sizes[d] != g.n[d]) "
+                    f"return FP_ERR_UNSUPPORTED; g.s[{v}][d] = g.n[d] == 1 ? 0 : {desc}.strides[d]; }}")
+    for s_, _ in prog.outs:
+        body.append(f"for (int d = 0; d < {len(outs[s_].shape)}; ++d) if (call->outputs[{s_}].sizes[d] != "
+                    f"{x}.sizes[d]) return FP_ERR_UNSUPPORTED;")
+    for s_, _ in prog.row_outs:  # keepdim: trailing size-1 dims
+        body.append(f"for (int d = {outer}; d < call->outputs[{s_}].ndim; ++d) if (call->outputs[{s_}].sizes[d] != 1) "
+                    "return FP_ERR_UNSUPPORTED;")
+    body += ["fp_geom_coalesce(&g);", "if (g.numel == 0) return FP_OK;"]
+    itype = "uint64_t"
+    if target == "cpu":
+        body += ["fp_rows(p, g);", launch_status(target)]
+        return head + _cpu_kernel(prog, itype, geom=True) + generic.entry(card, target, "\n  ".join(body))
+    tpr, vec, rpb = params["tpr"], params["vec"], effective_rpb(params["tpr"], params["rpb"])
+    checks = []
+    if vec > 1:
+        checks = [(f"p.in{prog.x_slot}", vec_bytes(prog.x.itemsize, vec))]
+        checks += [(f"p.out{s}", vec_bytes(o.itemsize, vec)) for s, o in prog.outs]
+        checks += [(f"p.in{q.slot}", vec_bytes(_size(q.dtype), vec)) for q in prog.params if q.index is None]
+        body.append(f"bool vec_ = {align_check(checks)};")
+        body.append(f"for (int v = 0; v <= {len(prog.outs)}; ++v) for (int d = 0; d < g.nd; ++d) "
+                    f"if (g.s[v][d] % {vec}) vec_ = false;")
+    else:
+        body.append("const bool vec_ = false;")
+    launch = f"<<<(unsigned)((g.numel + {rpb - 1}) / {rpb}), {tpr * rpb}, 0, stream>>>(p, g);"
+    body += [f"if (vec_) fp_rows<{vec}, {tpr}, {rpb}>{launch}", f"else fp_rows<1, {tpr}, {rpb}>{launch}",
+             launch_status(target)]
+    return head + _cuda_kernel(prog, tpr, vec, rpb, itype, geom=True) + generic.entry(card, target, "\n  ".join(body))
+
+
+def _fixed_stride_checks(card: Card, prog: RowProgram, k: int) -> list[str]:
+    """The constants the program bakes in: inner strides of x and the per-element outputs, every
+    stride of a parameter (weight, bias)."""
+    ins, outs = card.tensor_inputs(), card.outputs
+    tensors = [(f"call->inputs[{prog.x_slot}]", ins[prog.x_slot], k)]
+    tensors += [(f"call->outputs[{s}]", outs[s], k) for s, _ in prog.outs]
+    tensors += [(f"call->inputs[{q.slot}]", ins[q.slot], len(ins[q.slot].shape)) for q in prog.params]
+    lines = []
+    for var, meta, last in tensors:
+        nd = len(meta.shape)
+        for d in range(nd - last, nd):
+            if meta.shape[d] != 1:
+                lines.append(f"if ({var}.strides[{d}] != {meta.stride[d]}LL) return FP_ERR_UNSUPPORTED;")
+    return lines
+
+
+def family_refusal(card: Card, prog: RowProgram) -> int | str:
+    """The number of reduced (trailing) dims if the family keeps the row and its parameters fixed, so
+    the program's constants hold for every member; else the reason."""
+    fam = card.family
+    x = fam.inputs[prog.x_slot]
+    k, n = 0, 1
+    while k < len(x.shape) and (k == 0 or n < prog.n):
+        size = x.shape[len(x.shape) - 1 - k]
+        if isinstance(size, str):
+            return "the row length varies across the family"
+        n *= size
+        k += 1
+    if n != prog.n:
+        return "the rows do not match the input's trailing dims"
+    layouts = [x] + [fam.outputs[s] for s, _ in prog.outs]
+    for lay in layouts:
+        tail = list(zip(lay.shape[len(lay.shape) - k:], lay.stride[len(lay.stride) - k:], strict=True))
+        if any(isinstance(size, str) or (size != 1 and dims) for size, (_, dims) in tail):
+            return "the rows' inner layout varies across the family"
+    for q in prog.params:
+        lay = fam.inputs[q.slot]
+        if any(isinstance(size, str) for size in lay.shape) or any(dims for _, dims in lay.stride):
+            return "a weight or bias varies across the family"
+    return k
 
 
 # --- building programs from cards ------------------------------------------------------------------
@@ -422,6 +526,24 @@ def _row_out_strides(m: TensorMeta, outer: tuple[int, ...]) -> tuple[int, ...] |
 
 
 class RowTemplate(Template):
+    generic = True  # family cards: the row length fixed, the rows read at run time (`render_family_rows`)
+
+    def family_plan(self, card, plan, target):
+        k = family_refusal(card, plan)
+        return k if isinstance(k, str) else FamilyPlan(plan, k)
+
+    def family_axes(self, plan, target):
+        return row_axes(plan.base, target)
+
+    def family_default(self, plan, axes, target):
+        return row_default(plan.base, axes, target)
+
+    def family_emit(self, card, plan, target, params):
+        return render_rows(card, target, plan.base, params, family_k=plan.info)
+
+    def needs(self, card, target, params):
+        return generic.natural_needs(card) if card.family is not None else super().needs(card, target, params)
+
     def axes(self, plan, target):
         return row_axes(plan, target)
 

@@ -37,9 +37,10 @@ namespace fpg {
 
 using KernelFn = int32_t (*)(const fp_call*);
 
-// Kernels may use up to 16-byte vector loads; the guard requires the data pointer to sit at the same
-// offset modulo 16 as it did when the kernel was verified (fresh allocations are >= 64-byte aligned,
-// so that offset is storage_offset * itemsize mod 16).
+// A kernel that states no needs (forgepack/needs.py) may use up to 16-byte vector loads at the offset
+// it was verified at: the guard then requires the data pointer to sit at the same offset modulo 16
+// (fresh allocations are >= 64-byte aligned, so that offset is storage_offset * itemsize mod 16).
+// A kernel that states its needs gets exactly those: `align` bytes past a multiple of `align_bytes`.
 constexpr uintptr_t kAlignBytes = 16;
 constexpr int kMaxDevices = 64;
 
@@ -50,7 +51,8 @@ struct TensorSpec {
   int32_t ndim;
   const int64_t* sizes;
   const int64_t* strides;
-  int32_t align;  // data pointer offset modulo kAlignBytes
+  int32_t align;                                          // data pointer offset modulo align_bytes
+  int32_t align_bytes = static_cast<int32_t>(kAlignBytes);  // a power of two
 };
 
 // A Scalar (or a Python number wrapped into a 0-dim tensor) the card fixed.
@@ -81,7 +83,7 @@ inline bool match(const at::Tensor& t, const TensorSpec& s, c10::DeviceType devi
   if (!dims_equal(impl->sizes(), s.sizes, s.ndim) || !dims_equal(impl->strides(), s.strides, s.ndim)) return false;
   if (!impl->has_storage()) return false;
   auto addr = reinterpret_cast<uintptr_t>(t.const_data_ptr());
-  return static_cast<int32_t>(addr % kAlignBytes) == s.align;
+  return static_cast<int32_t>(addr & static_cast<uintptr_t>(s.align_bytes - 1)) == s.align;
 }
 
 template <class List>
@@ -96,6 +98,105 @@ inline bool match_list(const List& list, const TensorSpec* specs, size_t n, c10:
 
 inline bool match(const std::optional<at::Tensor>& t, const TensorSpec& s, c10::DeviceType device) {
   return t.has_value() && match(*t, s, device);
+}
+
+// ---- shape families --------------------------------------------------------------------------------
+// A family variant serves every member of a shape family (forgepack/families.py; `families.bind` is
+// this code's Python twin). Each dim is bound from its first occurrence among the inputs' axes and
+// must lie in its range there, and equal it at every other occurrence; fixed sizes must be equal;
+// then every stride must be c * product of dims (a size-1 axis's stride is never read, so never
+// checked). `dv` holds the bound values, -1 while unbound.
+
+struct DimRange {
+  int64_t min;
+  int64_t max;
+};
+
+// One axis's size: the family dim `dim`, or the fixed `size` when dim < 0.
+struct AxisSize {
+  int32_t dim;
+  int64_t size;
+};
+
+// stride = c * dv[dims[0]] * ... * dv[dims[n - 1]].
+struct StrideRule {
+  int64_t c;
+  int32_t n;
+  int32_t dims[3];  // forgepack.families.MAX_STRIDE_DIMS
+};
+
+struct FamilySpec {
+  c10::ScalarType dtype;
+  int32_t abi_dtype;  // fp_dtype
+  int32_t ndim;
+  const AxisSize* sizes;
+  const StrideRule* strides;
+  int32_t align;        // data pointer offset modulo align_bytes (the kernel's stated need)
+  int32_t align_bytes;  // a power of two; 1: any address
+};
+
+inline int64_t stride_of(const StrideRule& r, const int64_t* dv) {
+  int64_t s = r.c;
+  for (int32_t k = 0; k < r.n; ++k) s *= dv[r.dims[k]];
+  return s;
+}
+
+// Everything about one input but its strides: dtype, device, rank, sizes (binding dims), pointer.
+inline bool bind(const at::Tensor& t, const FamilySpec& s, c10::DeviceType device, const DimRange* ranges,
+                 int64_t* dv) {
+  if (!t.defined()) return false;
+  const c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+  if (impl->dtype().toScalarType() != s.dtype) return false;
+  if (impl->device_type() != device) return false;
+  if (impl->layout() != c10::kStrided) return false;
+  if (impl->is_wrapped_number() || t.is_neg() || t.is_conj()) return false;
+  if (impl->dim() != s.ndim) return false;
+  c10::IntArrayRef sizes = impl->sizes();
+  for (int32_t a = 0; a < s.ndim; ++a) {
+    const AxisSize& ax = s.sizes[a];
+    const int64_t n = sizes[a];
+    if (ax.dim < 0) {
+      if (n != ax.size) return false;
+    } else if (dv[ax.dim] < 0) {
+      if (n < ranges[ax.dim].min || n > ranges[ax.dim].max) return false;
+      dv[ax.dim] = n;
+    } else if (dv[ax.dim] != n) {
+      return false;
+    }
+  }
+  if (!impl->has_storage()) return false;
+  auto addr = reinterpret_cast<uintptr_t>(t.const_data_ptr());
+  return static_cast<int32_t>(addr & static_cast<uintptr_t>(s.align_bytes - 1)) == s.align;
+}
+
+// After every input is bound: each stride as its rule says.
+inline bool strides_ok(const at::Tensor& t, const FamilySpec& s, const int64_t* dv) {
+  const c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+  c10::IntArrayRef sizes = impl->sizes(), strides = impl->strides();
+  for (int32_t a = 0; a < s.ndim; ++a) {
+    if (sizes[a] != 1 && strides[a] != stride_of(s.strides[a], dv)) return false;
+  }
+  return true;
+}
+
+template <class List>
+inline bool bind_list(const List& list, const FamilySpec* specs, size_t n, c10::DeviceType device,
+                      const DimRange* ranges, int64_t* dv) {
+  if (list.size() != n) return false;
+  size_t k = 0;
+  for (const at::Tensor& t : list) {
+    if (!bind(t, specs[k++], device, ranges, dv)) return false;
+  }
+  return true;
+}
+
+template <class List>
+inline bool strides_ok_list(const List& list, const FamilySpec* specs, const int64_t* dv) {
+  size_t k = 0;
+  for (const at::Tensor& t : list) {
+    if (!strides_ok(t, specs[k++], dv)) return false;
+  }
+  return true;
 }
 
 // Every tensor input of a hit must live on one device: the kernel gets raw pointers.
@@ -231,6 +332,19 @@ inline at::Tensor alloc(c10::DispatchKey key, c10::Device device, const TensorSp
   c10::IntArrayRef sizes(s.sizes, s.ndim), strides(s.strides, s.ndim);
   return at::_ops::empty_strided::redispatch(c10::DispatchKeySet(key), c10::fromIntArrayRefUnchecked(sizes),
                                              c10::fromIntArrayRefUnchecked(strides), s.dtype, c10::kStrided,
+                                             device, std::nullopt);
+}
+
+// A family output at the bound dim values (fresh: its pointer is the allocator's, >= 64-byte aligned).
+inline at::Tensor alloc(c10::DispatchKey key, c10::Device device, const FamilySpec& s, const int64_t* dv) {
+  int64_t sizes[FP_MAX_DIMS], strides[FP_MAX_DIMS];
+  for (int32_t a = 0; a < s.ndim; ++a) {
+    sizes[a] = s.sizes[a].dim < 0 ? s.sizes[a].size : dv[s.sizes[a].dim];
+    strides[a] = stride_of(s.strides[a], dv);
+  }
+  c10::IntArrayRef sz(sizes, s.ndim), st(strides, s.ndim);
+  return at::_ops::empty_strided::redispatch(c10::DispatchKeySet(key), c10::fromIntArrayRefUnchecked(sz),
+                                             c10::fromIntArrayRefUnchecked(st), s.dtype, c10::kStrided,
                                              device, std::nullopt);
 }
 

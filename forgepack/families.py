@@ -1,0 +1,286 @@
+"""Shape families: fold variants that differ only in sizes into one card, and unfold members again.
+
+Capture at several points of a serving envelope sees the same op with the same dtypes, ranks and
+non-tensor values at different sizes. `fold` turns such a group into one family card:
+
+- every (tensor, axis) whose size is the same at every point stays a fixed size;
+- axes whose sizes vary are named dims; axes whose sizes are equal at every point share one dim
+  (equal dims across arguments: `mm`'s inner size, an add's operands);
+- an axis that is 1 at some points and more at others must share its dim with another axis, or it
+  may be a broadcast at its 1s (variants that broadcast differently are then separate families);
+- each stride is explained as `c * product of dims` (contiguous, channels-last, transposed and sliced
+  views of a contiguous parent); a group whose strides have no such explanation is left unfolded;
+- a dim's range is what the points span (capture visits the envelope's corners, so the span is the
+  envelope's).
+
+`member(card, values)` gives the concrete card at any dim values: what verification, benchmarks and
+tests run. A family card's own `args`/`outputs` are its most-called member, so every stage that reads
+a concrete card keeps working on it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import random
+from collections import defaultdict
+from collections.abc import Iterable
+
+from forgepack.cards import Card, Dim, Family, Layout, TensorMeta
+
+MAX_STRIDE_DIMS = 3  # a stride is explained by at most this many dims (a 4-d view's outermost stride)
+
+
+# --- fold ------------------------------------------------------------------------------------------------
+
+
+def _tensors(card: Card) -> list[TensorMeta | None]:
+    return [*card.tensor_inputs(), *card.outputs]
+
+
+def _group_key(card: Card) -> tuple:
+    """What must be equal for two variants to be one family: op, schema, dtypes, ranks, devices,
+    non-tensor values."""
+    fixed = []
+    for a in card.args:
+        if a.kind == "tensor":
+            fixed.append((a.name, "t", a.tensor.dtype, len(a.tensor.shape), a.tensor.device))
+        elif a.kind == "tensors":
+            fixed.append((a.name, "l", tuple((t.dtype, len(t.shape), t.device) for t in a.tensors)))
+        else:
+            fixed.append(a.key())
+    outs = tuple((o.dtype, len(o.shape), o.device) for o in card.outputs)
+    return (card.op, card.schema, card.kind, tuple(fixed), outs)
+
+
+def fold(cards: Iterable[Card], min_members: int = 2) -> list[Card]:
+    """Cards with variants that differ only in sizes folded into family cards; the rest unchanged.
+
+    Fusion cards and groups of fewer than `min_members` stay as they are, and so does a group whose
+    layouts `explain` cannot account for (it is served exactly, as before)."""
+    groups: dict[tuple, list[Card]] = defaultdict(list)
+    order: list[tuple] = []
+    for card in cards:
+        key = _group_key(card) if card.kind == "op" and card.family is None else ("single", card.id)
+        if key not in groups:
+            order.append(key)
+        groups[key].append(card)
+    out = []
+    for key in order:
+        for members in _clusters(groups[key]) if key[0] != "single" else [groups[key]]:
+            family = explain(members) if len(members) >= min_members else None
+            out.extend([_family_card(members, family)] if family is not None else members)
+    return out
+
+
+def _clusters(cards: list[Card]) -> list[list[Card]]:
+    """Split one group into the largest sets that one family explains, greedily in capture order
+    (a group mixes layouts: an attention product's transposed and contiguous operands, say)."""
+    clusters: list[list[Card]] = []
+    for card in cards:
+        for cluster in clusters:
+            if explain([*cluster, card]) is not None:
+                cluster.append(card)
+                break
+        else:
+            clusters.append([card])
+    return clusters
+
+
+def explain(members: list[Card]) -> Family | None:
+    """The family these variants are members of, or None where sizes or strides follow no rule."""
+    metas = [_tensors(c) for c in members]
+    positions = [(t, a) for t, m in enumerate(metas[0]) if m is not None for a in range(len(m.shape))]
+    values = {p: tuple(ms[p[0]].shape[p[1]] for ms in metas) for p in positions}
+    names: dict[tuple, str] = {}
+    for p in positions:
+        vec = values[p]
+        if len(set(vec)) > 1 and vec not in names:
+            names[vec] = f"d{len(names)}"
+    if not names:
+        return None  # the same sizes: not a family (equal cards differ elsewhere)
+    if any(_broadcast_at_some_points(vec, values) for vec in names):
+        return None
+    dims = tuple(Dim(name, min(vec), max(vec)) for vec, name in names.items())
+    dim_values = {name: vec for vec, name in names.items()}
+    layouts: list[Layout | None] = []
+    for t, meta in enumerate(metas[0]):
+        if meta is None:
+            layouts.append(None)
+            continue
+        shape = tuple(names.get(values[(t, a)], meta.shape[a]) for a in range(len(meta.shape)))
+        strides = []
+        for a in range(len(meta.shape)):
+            rule = _stride_rule([ms[t].stride[a] for ms in metas], [ms[t].shape[a] for ms in metas], dim_values)
+            if rule is None:
+                return None
+            strides.append(rule)
+        layouts.append(Layout(shape=shape, stride=tuple(strides)))
+    n_in = len(members[0].tensor_inputs())
+    bound = {s for lay in layouts[:n_in] if lay is not None for s in lay.shape if isinstance(s, str)}
+    used = {s for lay in layouts if lay is not None for s in lay.shape if isinstance(s, str)}
+    used |= {d for lay in layouts if lay is not None for _, ds in lay.stride for d in ds}
+    if used - bound:
+        return None  # a size only an output has (a view's -1): the inputs alone cannot say which member
+    points = tuple(tuple((name, dim_values[name][i]) for name in dim_values) for i in range(len(members)))
+    return Family(dims=dims, inputs=tuple(layouts[:n_in]), outputs=tuple(layouts[n_in:]), points=points,
+                  point_calls=tuple(c.calls for c in members))
+
+
+def _broadcast_at_some_points(vec: tuple[int, ...], values: dict[tuple, tuple[int, ...]]) -> bool:
+    """A dim that is 1 at some points and more at others, held by one (tensor, axis) alone: at its 1s that
+    axis may be a broadcast where elsewhere it is a real size (RMSNorm's f32[b,s,64] x f32[b,s,1] beside
+    the MLP's f32[b,s,128] x f32[b,s,128]), so it is no dim. Held by several axes (an elementwise op's
+    operand and its output, say), the 1s are a real size of each. An axis 1 at every point stays a fixed 1."""
+    return 1 in vec and len(set(vec)) > 1 and sum(v == vec for v in values.values()) < 2
+
+
+def _stride_rule(strides: list[int], sizes: list[int], dims: dict[str, tuple[int, ...]]) -> tuple | None:
+    """(c, dims) with stride == c * prod(dims) at every point, fewest dims first; None if there is none.
+
+    A size-1 axis's stride is never read (PyTorch sets it freely), so any rule that holds elsewhere does;
+    it is recorded as (stride at the first point, ())."""
+    if all(n == 1 for n in sizes):
+        return (strides[0], ())
+    names = list(dims)
+    for r in range(min(MAX_STRIDE_DIMS, len(names)) + 1):
+        for combo in itertools.combinations(names, r):
+            prods = [math.prod(dims[d][i] for d in combo) for i in range(len(strides))]
+            if any(p == 0 for p in prods) or strides[0] % prods[0]:
+                continue
+            c = strides[0] // prods[0]
+            if all(s == c * p for s, p in zip(strides, prods, strict=True)):
+                return (c, combo)
+    return None
+
+
+def _family_card(members: list[Card], family: Family) -> Card:
+    rep = max(members, key=lambda c: c.calls)
+    calls = sum(c.calls for c in members)
+    modules = tuple(dict.fromkeys(m for c in members for m in c.modules))[:6]
+    return dataclasses.replace(rep, family=family, calls=calls, modules=modules)
+
+
+# --- unfold -----------------------------------------------------------------------------------------------
+
+
+def _size(entry: int | str, values: dict[str, int]) -> int:
+    return values[entry] if isinstance(entry, str) else entry
+
+
+def layout_meta(layout: Layout, like: TensorMeta, values: dict[str, int]) -> TensorMeta:
+    """The tensor this layout describes at these dim values (dtype, device, value statistics and the
+    storage offset of `like`, the captured member)."""
+    shape = tuple(_size(s, values) for s in layout.shape)
+    stride = tuple(c * math.prod(values[d] for d in ds) for c, ds in layout.stride)
+    return dataclasses.replace(like, shape=shape, stride=stride)
+
+
+def member(card: Card, values: dict[str, int]) -> Card:
+    """The concrete card of `card`'s family at these dim values (a plain variant: no family, no samples)."""
+    family = card.family
+    if family is None:
+        raise ValueError(f"{card.id} is not a family card")
+    missing = [d.name for d in family.dims if d.name not in values]
+    if missing:
+        raise ValueError(f"no value for dim(s) {', '.join(missing)} of {card.id}")
+    layouts = iter(family.inputs)
+    args = []
+    for a in card.args:
+        if a.kind == "tensor":
+            layout = next(layouts)
+            args.append(dataclasses.replace(a, tensor=layout_meta(layout, a.tensor, values)))
+        elif a.kind == "tensors":
+            metas = tuple(layout_meta(next(layouts), t, values) for t in a.tensors)
+            args.append(dataclasses.replace(a, tensors=metas))
+        else:
+            if a.kind == "none":
+                next(layouts)
+            args.append(a)
+    outputs = tuple(layout_meta(lay, o, values) for lay, o in zip(family.outputs, card.outputs, strict=True))
+    return dataclasses.replace(card, args=tuple(args), outputs=outputs, family=None, samples=0)
+
+
+def members_at_points(card: Card) -> list[Card]:
+    """The concrete cards at the points capture saw."""
+    return [member(card, dict(p)) for p in card.family.points] if card.family is not None else [card]
+
+
+# --- verification points -------------------------------------------------------------------------------------
+
+_PRIMES = (2, 3, 5, 7, 11, 13, 17, 31, 61, 127, 251, 509, 1021, 2039, 4093)
+
+
+def _candidates(d: Dim) -> list[int]:
+    lo, hi = d.min, d.max
+    inside = [v for v in (1, lo, hi, lo + 1, hi - 1, (lo + hi) // 2 | 1, *_PRIMES) if lo <= v <= hi]
+    return list(dict.fromkeys(inside))
+
+
+def check_points(card: Card, seed: int = 0, extra: int = 3) -> list[dict[str, int]]:
+    """Dim values a family kernel is verified at: the captured points, every dim at its min and max,
+    1, primes and odd sizes inside the range, and `extra` random points; each a dict dim -> value."""
+    family = card.family
+    if family is None:
+        return []
+    rng = random.Random(seed)
+    captured = [dict(p) for p in family.points]
+    base = captured[0] if captured else {d.name: d.min for d in family.dims}
+    points = list(captured)
+    points.append({d.name: d.min for d in family.dims})
+    points.append({d.name: d.max for d in family.dims})
+    for d in family.dims:  # one dim at a time through its odd and prime sizes, the others as captured
+        points.extend({**base, d.name: v} for v in _candidates(d))
+    for _ in range(extra):
+        points.append({d.name: rng.randint(d.min, d.max) for d in family.dims})
+    seen, out = set(), []
+    for p in points:
+        key = tuple(sorted(p.items()))
+        if key not in seen:
+            seen.add(key)
+            out.append(p)
+    return out
+
+
+def bind(card: Card, metas: list[TensorMeta | None]) -> dict[str, int] | None:
+    """The dim values these tensors (inputs in ABI order) give the family, or None where they are not a
+    member: a dtype or device differs, a fixed size differs, a dim is out of range, equal dims differ, or
+    a stride breaks its rule. The Python twin of the guard the shim generates (tests hold the two to the
+    same answers; pointer alignment is the kernel's need, `forgepack.needs.pointers_ok`)."""
+    family = card.family
+    if family is None:
+        return None
+    values: dict[str, int] = {}
+    for layout, meta, like in zip(family.inputs, metas, card.tensor_inputs(), strict=True):
+        if (layout is None) != (meta is None):
+            return None
+        if layout is None:
+            continue
+        if (meta.dtype, meta.device) != (like.dtype, like.device):
+            return None
+        if len(layout.shape) != len(meta.shape):
+            return None
+        for want, got in zip(layout.shape, meta.shape, strict=True):
+            if isinstance(want, int):
+                if want != got:
+                    return None
+            elif values.setdefault(want, got) != got:
+                return None
+    for d in family.dims:
+        if d.name not in values or not d.min <= values[d.name] <= d.max:
+            return None
+    for layout, meta in zip(family.inputs, metas, strict=True):
+        if layout is None:
+            continue
+        for (c, ds), n, s in zip(layout.stride, meta.shape, meta.stride, strict=True):
+            if n != 1 and s != c * math.prod(values[d] for d in ds):
+                return None
+    return values
+
+
+def describe(card: Card) -> str:
+    """Short human form of a family: its dims and ranges, e.g. `d0 in 1..8, d1 in 16..2048`."""
+    if card.family is None:
+        return ""
+    return ", ".join(f"{d.name} in {d.min}..{d.max}" for d in card.family.dims)

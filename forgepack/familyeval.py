@@ -1,0 +1,146 @@
+"""Evaluate a candidate for a family card: verified over the range, benchmarked over the envelope.
+
+A family kernel serves every member its guard admits, so one verification at the captured sizes says
+little: a kernel that hard-codes a captured size passes there. Here the `Evaluator` runs today's full
+checks on a concrete member at every point of `families.check_points` (the captured points, each
+dim's min and max, 1, primes, odd and random sizes; fresh inputs at each, the representative member
+also its captured samples), and the candidate is accepted only if every one passes. The first
+failing member's verdict is the family's, its sizes named in the reason. A check point whose inputs
+stock PyTorch itself refuses (a fold that unified a broadcast size-1 axis with a real one) is no member
+of the op's domain: it is skipped, and listed in `diagnostics["family"]["skipped"]`.
+
+Timed at the captured points (the envelope's own mix of sizes), the family's speed-up is the
+envelope-weighted figure: with `w_i` the share of the family's eager time at point i
+(`Family.point_weights` when profile set them, else calls x eager time), speed-up = 1 / sum(w_i / s_i),
+the ratio of eager to kernel time summed over the envelope; the interval's ends are combined the same
+way. Each point's figures stay in `diagnostics["family"]["points"]`, for a later step that keeps a
+kernel only for the sub-range where it wins.
+
+Exact-shape cards go straight to the `Evaluator`, unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from forgepack import families, staticcheck
+from forgepack.cards import Card
+from forgepack.compile import CompileResult, compile_kernel
+from forgepack.errors import ForgepackError
+from forgepack.evaluate import Evaluator, Progress, Verdict, accept_rule
+
+TIMED_OK = (None, "slower")  # a timed point that is merely slow still verified
+STOCK_FAILED = "the stock op failed"  # the worker's error when stock PyTorch refuses a member's inputs
+
+
+def evaluate(evaluator: Evaluator, card: Card, source: str, samples_path: Path | None = None,
+             margin: float = 0.05, bench: bool = True, arch: str | None = None, *,
+             progress: Progress | None = None) -> Verdict:
+    """`Evaluator.evaluate` for any card: static checks, compile (cached), then `evaluate_compiled`."""
+    if card.family is None:
+        return evaluator.evaluate(card, source, samples_path, margin, bench, arch, progress=progress)
+    if staticcheck.check_source(source, evaluator.target):
+        return evaluator.evaluate(card, source, samples_path, margin, bench, arch, progress=progress)
+    compiled = compile_kernel(source, evaluator.target, arch=arch)
+    return evaluate_compiled(evaluator, card, compiled, source, samples_path, margin, bench, progress=progress)
+
+
+def evaluate_compiled(evaluator: Evaluator, card: Card, compiled: CompileResult, source: str,
+                      samples_path: Path | None = None, margin: float = 0.05, bench: bool = True, *,
+                      progress: Progress | None = None) -> Verdict:
+    """`Evaluator.evaluate_compiled` for any card; a family card over its check points (module doc)."""
+    if card.family is None:
+        return evaluator.evaluate_compiled(card, compiled, source, samples_path, margin, bench, progress=progress)
+    say = progress or (lambda _stage: None)
+    rep = families.bind(card, card.tensor_inputs())
+    captured = [dict(p) for p in card.family.points]
+    points = families.check_points(card)
+    verdicts: list[tuple[dict, Verdict]] = []
+    skipped: list[dict] = []
+    for k, values in enumerate(points):
+        member = families.member(card, values)
+        samples = None
+        if values == rep and samples_path is not None and card.samples:
+            member, samples = dataclasses.replace(member, samples=card.samples), samples_path
+        timed = bench and values in captured
+        say(f"member {k + 1}/{len(points)}: {_sizes(values)}")
+        try:
+            if not verdicts:  # the static checks of source and object, once
+                verdict = evaluator.evaluate_compiled(member, compiled, source, samples, margin, timed)
+            else:
+                verdict = evaluator.run_worker(member, compiled, source, samples, margin, timed)
+        except ForgepackError as err:
+            if not str(err).startswith(STOCK_FAILED) or values in captured:
+                raise
+            skipped.append(values)  # sizes the op itself refuses (operands that do not broadcast): no member
+            continue
+        if verdict.category not in (TIMED_OK if timed else (None,)):
+            return _failed(verdict, values, member, k, len(points))
+        verdicts.append((values, verdict))
+    return _folded(card, verdicts, captured, margin, bench, skipped)
+
+
+def _sizes(values: dict[str, int]) -> str:
+    return ", ".join(f"{n}={v}" for n, v in values.items())
+
+
+def _failed(verdict: Verdict, values: dict, member: Card, index: int, total: int) -> Verdict:
+    where = f"at {_sizes(values)} [{member.signature()}], member {index + 1} of {total} checked"
+    diagnostics = {**verdict.diagnostics, "family": {"failed_at": values, "checked": index}}
+    return dataclasses.replace(verdict, accepted=False, reason=f"{where}: {verdict.reason}", diagnostics=diagnostics)
+
+
+def _folded(card: Card, verdicts: list[tuple[dict, Verdict]], captured: list[dict], margin: float,
+            bench: bool, skipped: list[dict]) -> Verdict:
+    first = verdicts[0][1]
+    base = dict(source_hash=first.source_hash, binary=first.binary, compile_s=first.compile_s,
+                verify_s=sum(v.verify_s for _, v in verdicts), bench_s=sum(v.bench_s for _, v in verdicts))
+    family = {"checked": [values for values, _ in verdicts], "skipped": skipped}
+    diagnostics = {"verification": first.diagnostics.get("verification", {}), "family": family}
+    n = len(verdicts)
+    if not bench:
+        return Verdict(True, None, f"verified at {n} sizes of the family (not benchmarked)", diagnostics, **base)
+    timed = [(values, v) for values, v in verdicts if values in captured]
+    weights = _weights(card, timed)
+    family["points"] = [{"values": values, "weight": w, "calls": _calls(card, values), "speedup": v.speedup,
+                         "ci_low": v.ci_low, "ci_high": v.ci_high, "eager_us": v.eager_us, "kernel_us": v.kernel_us}
+                        for (values, v), w in zip(timed, weights, strict=True)]
+    speedup = _harmonic(weights, [v.speedup for _, v in timed])
+    low = _harmonic(weights, [v.ci_low for _, v in timed])
+    high = _harmonic(weights, [v.ci_high for _, v in timed])
+    calls = [max(_calls(card, values), 1) for values, _ in timed]
+    eager = sum(c * v.eager_us for c, (_, v) in zip(calls, timed, strict=True)) / sum(calls)
+    kernel = sum(c * v.kernel_us for c, (_, v) in zip(calls, timed, strict=True)) / sum(calls)
+    per_point = ", ".join(f"{_sizes(values)}: {v.speedup:.2f}x" for values, v in timed)
+    summary = (f"envelope {speedup:.3f}x (95% interval {low:.3f}-{high:.3f}) over {len(timed)} timed sizes "
+               f"({per_point}); verified at {n} sizes")
+    timing = dict(eager_us=eager, kernel_us=kernel, speedup=speedup, ci_low=low, ci_high=high)
+    if accept_rule(speedup, low, margin):
+        return Verdict(True, None, f"verified; {summary}", diagnostics, **timing, **base)
+    return Verdict(False, "slower", f"verified but not fast enough: {summary}; needs >= {1 + margin:.3f}x",
+                   diagnostics, **timing, **base)
+
+
+def _calls(card: Card, values: dict) -> int:
+    fam = card.family
+    for point, calls in zip(fam.points, fam.point_calls, strict=False):
+        if dict(point) == values:
+            return calls
+    return 0
+
+
+def _weights(card: Card, timed: list[tuple[dict, Verdict]]) -> list[float]:
+    """Each timed point's share of the family's eager time over the envelope."""
+    fam = card.family
+    if fam.point_weights and len(fam.point_weights) == len(fam.points):
+        raw = [fam.point_weights[[dict(p) for p in fam.points].index(values)] for values, _ in timed]
+    else:
+        raw = [max(_calls(card, values), 1) * v.eager_us for values, v in timed]
+    total = sum(raw)
+    return [w / total for w in raw] if total > 0 else [1.0 / len(timed)] * len(timed)
+
+
+def _harmonic(weights: list[float], speedups: list[float]) -> float:
+    """Eager over kernel time summed over the envelope, given each point's share of the eager time."""
+    return 1.0 / sum(w / max(s, 1e-12) for w, s in zip(weights, speedups, strict=True))

@@ -1,0 +1,119 @@
+"""Shape families: variants captured at several sizes fold into one card whose members are exactly the
+captured variants, and whose guard twin (`families.bind`) accepts members and refuses non-members."""
+
+import dataclasses
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from forgepack import cards, families
+from forgepack.capture import capture
+
+POINTS = ((1, 8), (2, 8), (1, 13), (3, 21), (4, 64))
+
+
+def _tiny_llama():
+    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def _captured(model):
+    inputs = [torch.randint(0, 128, (b, s)) for b, s in POINTS]
+    return capture(model, lambda: [model(input_ids=ids) for ids in inputs], keep_samples=False).cards
+
+
+def _sizes(card):
+    return tuple(t.shape if t is not None else None for t in [*card.tensor_inputs(), *card.outputs])
+
+
+def _layouts(card):
+    """Sizes, strides (a size-1 axis's stride is never read) and offsets of every tensor, values too."""
+    def one(t):
+        kept = None if t is None else tuple(s for n, s in zip(t.shape, t.stride, strict=True) if n != 1)
+        return None if t is None else (t.dtype, t.shape, kept,
+                                       t.storage_offset)
+    values = tuple(a.key() for a in card.args if a.kind in ("value", "none"))
+    return tuple(one(t) for t in [*card.tensor_inputs(), *card.outputs]), values
+
+
+def test_llama_prefill_variants_fold_into_families_whose_members_are_the_captured_variants():
+    model = _tiny_llama()
+    captured = _captured(model)
+    folded = families.fold(captured)
+    fams = [c for c in folded if c.family is not None]
+    assert len(folded) < len(captured) / 3
+    assert {"aten.mm.default", "aten.mul.Tensor", "aten._to_copy.default"} <= {c.op for c in fams}
+    by_sizes = {}
+    for c in captured:
+        by_sizes.setdefault((c.op, _sizes(c)), []).append(c)
+    covered = 0
+    for fam in fams:
+        for m in families.members_at_points(fam):
+            origs = [o for o in by_sizes[(m.op, _sizes(m))] if _layouts(o) == _layouts(m)]
+            assert len(origs) == 1, m.signature()
+            assert families.bind(fam, m.tensor_inputs()) is not None
+            covered += origs[0].calls
+        assert fam.calls == sum(fam.family.point_calls)
+    assert covered == sum(f.calls for f in fams)
+
+
+def test_family_card_round_trips_json_and_has_its_own_id():
+    fam = next(c for c in families.fold(_captured(_tiny_llama())) if c.family is not None)
+    again = cards.from_json(cards.to_json(fam))
+    assert again == fam and again.id == fam.id and "-F" in fam.id
+
+
+def test_bind_refuses_sizes_out_of_range_unequal_dims_and_broken_strides():
+    mm = next(c for c in families.fold(_captured(_tiny_llama())) if c.family and c.op == "aten.mm.default")
+    d = {x.name: x for x in mm.family.dims}
+    inside = families.member(mm, {n: x.max for n, x in d.items()})
+    assert families.bind(mm, inside.tensor_inputs()) is not None
+    outside = families.member(mm, {n: x.max + 1 for n, x in d.items()})
+    assert families.bind(mm, outside.tensor_inputs()) is None
+    x, w = inside.tensor_inputs()
+    transposed = dataclasses.replace(x, stride=tuple(reversed(x.stride)))
+    assert families.bind(mm, [transposed, w]) is None
+
+
+def test_check_points_cover_corners_primes_and_captured_points():
+    mm = next(c for c in families.fold(_captured(_tiny_llama())) if c.family and c.op == "aten.mm.default")
+    pts = families.check_points(mm, seed=1)
+    dims = mm.family.dims
+    assert {d.name: d.min for d in dims} in pts and {d.name: d.max for d in dims} in pts
+    assert all(dict(p) in pts for p in mm.family.points)
+    assert any(v in (7, 13, 31, 61, 127) for p in pts for v in p.values())
+    for p in pts:
+        assert all(d.min <= p[d.name] <= d.max for d in dims)
+
+
+def test_a_broadcast_axis_is_not_folded_into_a_real_one():
+    """RMSNorm's x * rsqrt(var) (f32[b,s,64] x f32[b,s,1]) and the MLP's silu(g) * u (f32[b,s,128] x
+    f32[b,s,128]) are one op with the same ranks: folding them into one family would make the broadcast
+    axis a dim in 1..128 (a kernel would be verified as if 1 and 128 were sizes of one axis)."""
+    from forgepack.capture import card_from_call
+
+    mul = torch.ops.aten.mul.Tensor
+    calls = []
+    for b, s in POINTS:
+        calls.append(card_from_call(mul, (torch.randn(b, s, 64), torch.randn(b, s, 1)), {})[0])
+        calls.append(card_from_call(mul, (torch.randn(b, s, 128), torch.randn(b, s, 128)), {})[0])
+    fams = families.fold(calls)
+    assert len(fams) == 2 and all(c.family is not None for c in fams)
+    norm, mlp = sorted(fams, key=lambda c: c.family.inputs[1].shape[-1] != 1)
+    assert norm.family.inputs[1].shape[-1] == 1 and mlp.family.inputs[1].shape[-1] == 128
+    for fam in fams:
+        assert [(d.min, d.max) for d in fam.family.dims] == [(1, 4), (8, 64)]
+        assert len(families.members_at_points(fam)) == len(POINTS)
+
+
+def test_a_dim_that_is_1_at_some_points_is_kept_where_its_axes_agree():
+    """The batch axis is 1 at some points and shared by every tensor: still one dim (decode at batch 1..4)."""
+    from forgepack.capture import card_from_call
+
+    calls = [card_from_call(torch.ops.aten.mul.Tensor, (torch.randn(b, 1, 64), torch.randn(b, 1, 64)), {})[0]
+             for b in (1, 2, 4)]
+    (fam,) = families.fold(calls)
+    assert [(d.min, d.max) for d in fam.family.dims] == [(1, 4)]
+    assert fam.family.inputs[0].shape == ("d0", 1, 64)

@@ -1,0 +1,233 @@
+"""Size-generic template kernels for family cards, verified over the family's range (`familyeval`).
+
+The families come from a real capture of a tiny Llama at several (batch, seq) points, folded as
+`tests/test_families.py` does; each verification runs today's full checks at every
+`families.check_points` member."""
+
+import dataclasses
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+from test_families import _captured, _tiny_llama
+
+from forgepack import families, familyeval, needs
+from forgepack.capture import card_from_call
+from forgepack.compile import compile_kernel
+from forgepack.evaluate import Evaluator, Verdict
+from forgepack.needs import Align, Needs
+from forgepack.templates import by_name, on_device, templates_for
+from forgepack.templates.common import batch_unit
+
+ABI_DIR = Path(__file__).resolve().parent.parent / "forgepack" / "abi"
+KERNELS = Path(__file__).resolve().parent / "kernels"
+
+
+@pytest.fixture(scope="module")
+def fams():
+    return [c for c in families.fold(_captured(_tiny_llama())) if c.family is not None]
+
+
+@pytest.fixture(scope="module")
+def evaluator():
+    with Evaluator("cpu", timeout_s=120) as ev:
+        yield ev
+
+
+def _pick(fams, op, signature_part):
+    """The family whose representative (its own args, the most-called member) shows this signature piece."""
+    return next(c for c in fams if c.op == op and signature_part in dataclasses.replace(c, family=None).signature())
+
+
+def _silu(fams):
+    return next(c for c in fams if c.op == "aten.silu.default")
+
+
+# (op, a piece of the representative's signature, template): what LLM serving calls most
+CASES = [
+    ("aten.mul.Tensor", "f32[64], f32[1,8,64]", "elementwise.binary"),  # RMSNorm weight, broadcast
+    ("aten.cat.default", ":(256,8,32,1)", "elementwise.cat"),  # rotary halves, one a strided view
+    ("aten._to_copy.default", "int64", "elementwise.copy"),  # a cast
+    ("aten.mean.dim", "f32[1,8,64]", "rowreduce.reduce"),  # RMSNorm's mean over the hidden size
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[2] for c in CASES])
+def test_generic_cpu_kernels_verify_at_every_check_point(case, fams, evaluator):
+    op, part, name = case
+    card = _pick(fams, op, part)
+    t = by_name(name)
+    assert t in templates_for(card, "cpu")
+    src = t.render(card, "cpu", t.default(card, "cpu"))
+    assert "fp_geom" in src  # sizes read at run time, not baked in
+    verdict = familyeval.evaluate(evaluator, card, src, bench=False)
+    assert verdict.accepted, verdict.reason
+    checked = verdict.diagnostics["family"]["checked"]
+    assert len(checked) == len(families.check_points(card)) - len(verdict.diagnostics["family"]["skipped"])
+    assert {d.name: d.max for d in card.family.dims} in checked
+
+
+def test_a_kernel_correct_only_at_the_captured_sizes_is_rejected_as_mismatch(fams, evaluator):
+    card = _silu(fams)
+    src = (KERNELS / "family_captured_sizes_only.cpp").read_text()
+    for member in families.members_at_points(card):  # right wherever capture looked ...
+        verdict = evaluator.evaluate(member, src, bench=False)
+        assert verdict.accepted, f"{member.signature()}: {verdict.reason}"
+    verdict = familyeval.evaluate(evaluator, card, src, bench=False)  # ... and nowhere else
+    assert not verdict.accepted and verdict.category == "mismatch", verdict.reason
+    failed = verdict.diagnostics["family"]["failed_at"]
+    assert failed not in [dict(p) for p in card.family.points] and "d0=" in verdict.reason
+    t = by_name("elementwise.unary")  # the size-generic control passes the same checks
+    control = familyeval.evaluate(evaluator, card, t.render(card, "cpu", {}), bench=False)
+    assert control.accepted, control.reason
+
+
+def test_exact_shape_cards_keep_todays_renders_and_needs(fams):
+    card = _pick(fams, "aten.mul.Tensor", "f32[64], f32[1,8,64]")
+    exact = families.members_at_points(card)[0]
+    t = by_name("elementwise.binary")
+    src = t.render(exact, "cpu", {})
+    shape = exact.outputs[0].shape
+    assert "fp_geom" not in src and f"call->outputs[0].sizes[1] != {shape[1]}LL" in src  # sizes baked in
+    assert t.needs(exact, "cpu", {}) == needs.default(exact)  # today's captured-offset rule
+    assert t.needs(card, "cpu", {}) == Needs((Align(4), Align(4)))  # element alignment of each input
+    rows = _pick(fams, "aten.mean.dim", "f32[1,8,64]")
+    assert by_name("rowreduce.reduce").needs(rows, "cuda", {}) == Needs((Align(4),))
+
+
+def test_templates_without_a_generic_kernel_refuse_family_cards(fams):
+    mm = next(c for c in fams if c.op == "aten.mm.default")
+    names = ("gemm.mm_unaligned", "gemm.mm_unaligned_wgmma")
+    reasons = [by_name(n).supports(on_device(mm, "cuda"), "cuda") for n in names]
+    assert all(r and "size-generic" in r for r in reasons), reasons
+
+
+def test_row_reductions_whose_row_length_varies_are_refused(fams):
+    rows = _pick(fams, "aten.mean.dim", "f32[1,8,64]")
+    x = rows.family.inputs[0]
+    varying = dataclasses.replace(rows.family, inputs=(dataclasses.replace(x, shape=(*x.shape[:-1], "d1")),))
+    card = dataclasses.replace(rows, family=varying)
+    assert "row length varies" in by_name("rowreduce.reduce").supports(card, "cpu")
+
+
+def _rows_family(op, make_args):
+    """One op captured at (batch, seq) = (1, 3), (2, 8), (4, 5) over rows of 48: a family of row counts."""
+
+    calls = [dataclasses.replace(card_from_call(op, make_args(torch.randn(b, s, 48)), {})[0], calls=1)
+             for b, s in ((1, 3), (2, 8), (4, 5))]
+    (card,) = families.fold(calls)
+    return card
+
+
+ROW_CASES = {
+    "softmax": (torch.ops.aten._softmax.default, lambda x: (x, -1, False)),
+    "layer_norm": (torch.ops.aten.native_layer_norm.default,
+                   lambda x: (x, [48], torch.randn(48), torch.randn(48), 1e-5)),
+}
+
+
+@pytest.mark.parametrize("name", list(ROW_CASES))
+def test_generic_softmax_and_layer_norm_verify_at_every_check_point(name, evaluator):
+    op, make_args = ROW_CASES[name]
+    card = _rows_family(op, make_args)
+    assert card.family is not None and len(card.family.dims) == 2
+    (t,) = [t for t in templates_for(card, "cpu") if t.name.startswith("rowreduce.")]
+    verdict = familyeval.evaluate(evaluator, card, t.render(card, "cpu", {}), bench=False)
+    assert verdict.accepted, verdict.reason
+    assert compile_kernel(t.render(on_device(card, "cuda"), "cuda", t.default(on_device(card, "cuda"), "cuda")),
+                          "cuda", arch="sm_90").ok or shutil.which("nvcc") is None
+
+
+def _timed(speedup, eager, low=None):
+    return Verdict(True, None, "ok", {"verification": {}}, eager_us=eager, kernel_us=eager / speedup,
+                   speedup=speedup, ci_low=low or speedup * 0.95, ci_high=speedup * 1.05)
+
+
+def test_envelope_speedup_weights_points_by_their_eager_time(fams):
+    card = _silu(fams)
+    points = [dict(p) for p in card.family.points]
+    calls = card.family.point_calls
+    speeds = [2.0, 0.5, 1.0, 1.5, 3.0]
+    eager = [10.0, 20.0, 15.0, 40.0, 100.0]
+    verdicts = [(p, _timed(s, e)) for p, s, e in zip(points, speeds, eager, strict=True)]
+    verdicts.append(({d.name: d.min + 1 for d in card.family.dims}, Verdict(True, None, "verified")))  # untimed
+    folded = familyeval._folded(card, verdicts, points, margin=0.05, bench=True, skipped=[])
+    eager_total = sum(c * e for c, e in zip(calls, eager, strict=True))
+    kernel_total = sum(c * e / s for c, e, s in zip(calls, eager, speeds, strict=True))
+    assert folded.speedup == pytest.approx(eager_total / kernel_total)
+    per_point = folded.diagnostics["family"]["points"]
+    assert [p["speedup"] for p in per_point] == speeds and len(folded.diagnostics["family"]["checked"]) == 6
+    # profile's weights, when set, are the eager-time shares: all the weight on the 0.5x point
+    weighted = dataclasses.replace(card, family=dataclasses.replace(card.family, point_weights=(0, 1, 0, 0, 0)))
+    slow = familyeval._folded(weighted, verdicts, points, margin=0.05, bench=True, skipped=[])
+    assert slow.speedup == pytest.approx(0.5) and not slow.accepted and slow.category == "slower"
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+def test_generic_cuda_kernels_compile_for_sm90(fams):
+    sources = []
+    for card in (on_device(c, "cuda") for c in fams):
+        for t in templates_for(card, "cuda"):
+            params = t.default(card, "cuda")
+            sources.append(t.render(card, "cuda", params))
+            assert "fp_geom" in sources[-1]
+            needs.validate(t.needs(card, "cuda", params), card)  # every generic template states valid needs
+    assert len(sources) >= 20
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "batch.cu"
+        path.write_text(batch_unit(sources, "cuda"))
+        cmd = ["nvcc", "-O3", "-arch=sm_90", "-std=c++17", "-Werror", "all-warnings", "-I", str(ABI_DIR),
+               "-c", str(path), "-o", str(Path(tmp) / "batch.o")]
+        out = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    assert out.returncode == 0, out.stderr[-4000:]
+    res = compile_kernel(sources[0], "cuda", arch="sm_90")  # the real compile path and its static checks
+    assert res.ok, res.log
+
+
+def _decode_family():
+    """mm(x, w.t()) at batch 1..8 of a bf16 decode step: the row count is the family's one dim."""
+
+    w = torch.randn(200, 96, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    calls = [card_from_call(torch.ops.aten.mm.default, (torch.randn(m, 96).to(torch.bfloat16), w.t()), {})[0]
+             for m in (1, 2, 5, 8)]
+    calls = [dataclasses.replace(c, calls=1) for c in calls]
+    (card,) = families.fold(calls)
+    return on_device(card, "cuda")
+
+
+def test_decode_products_of_any_row_count_render_one_kernel_per_row_count():
+    card = _decode_family()
+    assert [(d.min, d.max) for d in card.family.dims] == [(1, 8)]
+    t = by_name("gemm.mv_rows")
+    src = t.render(card, "cuda", t.default(card, "cuda"))
+    assert "template <int M>" in src and "case 8: fp_gemv<8>" in src and "call->inputs[0].sizes[0] != " not in src
+    assert t.needs(card, "cuda", {}) == Needs((Align(16), Align(16)))
+    wide = dataclasses.replace(card, family=dataclasses.replace(
+        card.family, dims=(dataclasses.replace(card.family.dims[0], max=16),)))
+    assert "more than 8 rows" in t.supports(wide, "cuda")
+    if shutil.which("nvcc"):
+        res = compile_kernel(src, "cuda", arch="sm_90")
+        assert res.ok, res.log
+
+
+@pytest.mark.gpu
+def test_generic_cuda_kernels_verify_at_every_check_point_on_the_gpu(fams):
+    picks = [("aten.mul.Tensor", "f32[64], f32[1,8,64]", "elementwise.binary"),
+             ("aten.cat.default", ":(256,8,32,1)", "elementwise.cat"),
+             ("aten.silu.default", "f32", "elementwise.unary"),
+             ("aten.mean.dim", "f32[1,8,64]", "rowreduce.reduce")]
+    with Evaluator("cuda", timeout_s=120) as ev:
+        for op, part, name in picks:
+            card = on_device(_pick(fams, op, part), "cuda")
+            t = by_name(name)
+            for params in (t.default(card, "cuda"), {**t.default(card, "cuda"), "vec": 1}):
+                verdict = familyeval.evaluate(ev, card, t.render(card, "cuda", params), bench=False)
+                assert verdict.accepted, f"{name} {params}: {verdict.reason}"
+        card = _decode_family()
+        t = by_name("gemm.mv_rows")
+        verdict = familyeval.evaluate(ev, card, t.render(card, "cuda", t.default(card, "cuda")), bench=True)
+        assert verdict.category in (None, "slower"), verdict.reason
+        assert len(verdict.diagnostics["family"]["points"]) == 4  # a speed-up per captured row count

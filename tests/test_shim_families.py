@@ -1,0 +1,210 @@
+"""Family guards in the generated C++ shim give the same answers as their Python twin.
+
+A `mul.Tensor` family (a contiguous [d0, d1, 8] times a transposed view of a contiguous [d1, d0, 8]:
+equal dims across the two inputs, strides that are products of dims, a fixed size) is folded from
+captured calls, served by a real strided kernel whose stated needs are 8- and 4-byte pointers and an
+even element count, next to an exact variant of the same op. The shim is generated, compiled with g++,
+loaded with torch in a separate process and called at members inside the range, outside it, with
+unequal equal dims, broken strides, a wrong fixed size, misaligned and 8-mod-16 pointers: every hit and
+miss in the shim's stats is what `families.bind` and `needs.pointers_ok` / `sizes_ok` say, and every
+call's result is stock PyTorch's, bit for bit, with stock's sizes and strides.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from pack_kernels import MUL
+
+from forgepack import cards, families, needs
+from forgepack.capture import card_from_call
+from forgepack.compile import compile_kernel
+from forgepack.needs import Align, Needs
+from forgepack.pack import shimgen
+
+TESTS = Path(__file__).resolve().parent
+REPO = TESTS.parent
+POINTS = ((2, 3), (4, 5), (1, 7), (3, 2))
+
+
+def mul_inputs(b: int, s: int, a_offset: int = 0, t_offset: int = 0):
+    a = torch.randn(b * s * 8 + a_offset)[a_offset:].view(b, s, 8)
+    t = torch.randn(s * b * 8 + t_offset)[t_offset:].view(s, b, 8).transpose(0, 1)
+    return a, t
+
+
+def family_card():
+    captured = [card_from_call(torch.ops.aten.mul.Tensor, mul_inputs(b, s), {})[0] for b, s in POINTS]
+    folded = families.fold(captured)
+    assert len(folded) == 1 and folded[0].family is not None
+    return folded[0]
+
+
+FAMILY_NEEDS = Needs(align=(Align(8), Align(4)), numel_multiple=((0, 16),))
+
+
+@pytest.fixture(scope="module")
+def family_shim(tmp_path_factory):
+    root = tmp_path_factory.mktemp("famshim")
+    fam = family_card()
+    exact = card_from_call(torch.ops.aten.mul.Tensor, (torch.randn(5, 2, 8), torch.randn(5, 2, 8)), {})[0]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("FORGEPACK_CACHE", str(root / "cache"))
+        compiled = compile_kernel(MUL, "cpu")
+    assert compiled.ok, compiled.log
+    (root / "kernels").mkdir()
+    shutil.copyfile(compiled.binary, root / "kernels" / "mul.so")
+    variants = [shimgen.ShimVariant(fam, "kernels/mul.so", FAMILY_NEEDS), shimgen.ShimVariant(exact, "kernels/mul.so")]
+    src = root / "shim.cpp"
+    src.write_text(shimgen.generate(variants, "forgepack_famtest", "cpu"))
+    shimgen.compile_shim(src, root / "shim.so", [shimgen.SHIM_DIR, shimgen.ABI_DIR])
+    cards.save(fam, root / "family.json")
+    cards.save(exact, root / "exact.json")
+    (root / "needs.json").write_text(json.dumps(needs.to_json(FAMILY_NEEDS)))
+    return root
+
+
+CALLS = r"""
+import json, sys
+import torch
+sys.path.insert(0, TESTS)
+from test_shim_families import mul_inputs
+from forgepack import cards, families, needs
+from forgepack.cards import TensorMeta
+
+torch.ops.load_library(ROOT + "/shim.so")
+ns = torch.ops.forgepack_famtest
+fam, exact = cards.load(ROOT + "/family.json"), cards.load(ROOT + "/exact.json")
+fam_needs = needs.from_json(json.load(open(ROOT + "/needs.json")))
+
+def meta(t):
+    return TensorMeta(str(t.dtype).removeprefix("torch."), tuple(t.shape), tuple(t.stride()), t.storage_offset())
+
+def twin(a, b):
+    # which variant the guards should pick, in guard order (None: stock)
+    metas, addrs = [meta(a), meta(b)], [a.data_ptr(), b.data_ptr()]
+    values = families.bind(fam, metas)
+    if values is not None and needs.pointers_ok(fam_needs, addrs) and needs.sizes_ok(fam_needs, values, metas):
+        return 0
+    want = [m.key()[:3] for m in exact.tensor_inputs()]
+    if [m.key()[:3] for m in metas] == want and needs.pointers_ok(needs.default(exact), addrs):
+        return 1
+    return None
+
+def contiguous(b, s, d=8, dtype=torch.float32):
+    return torch.randn(b, s, d, dtype=dtype), torch.randn(b, s, d, dtype=dtype)
+
+cases = {
+    "captured point (2,3)": mul_inputs(2, 3),
+    "inside, not captured (3,6)": mul_inputs(3, 6),
+    "range min (1,2)": mul_inputs(1, 2),
+    "range max (4,7)": mul_inputs(4, 7),
+    "inside, odd numel (3,5)": mul_inputs(3, 5),
+    "d0 above range (5,2)": mul_inputs(5, 2),
+    "d1 above range (2,8)": mul_inputs(2, 8),
+    "d1 below range (2,1)": mul_inputs(2, 1),
+    "unequal equal dims": (mul_inputs(1, 4)[0], mul_inputs(2, 4)[1]),
+    "broken stride (contiguous second input)": contiguous(2, 3),
+    "broken stride (sliced last axis)": (torch.randn(2, 3, 16)[:, :, ::2], mul_inputs(2, 3)[1]),
+    "fixed size differs": (torch.randn(2, 3, 16), torch.randn(3, 2, 16).transpose(0, 1)),
+    "first input 4 mod 8": mul_inputs(2, 3, a_offset=1),
+    "first input 8 mod 16": mul_inputs(2, 3, a_offset=2),
+    "second input 4 mod 16": mul_inputs(2, 3, t_offset=1),
+    "dtype differs": tuple(x.double() for x in mul_inputs(2, 3)),
+    "exact variant": contiguous(5, 2),
+    "exact variant, 4 mod 16": (torch.randn(81)[1:].view(5, 2, 8), torch.randn(5, 2, 8)),
+}
+n = len(list(ns.variants()))
+ns.activate(ROOT, [])
+rows = {}
+for name, (a, b) in cases.items():
+    before = list(ns.stats())
+    got = torch.ops.aten.mul.Tensor(a, b)
+    after = list(ns.stats())
+    hits = [after[v] - before[v] for v in range(n)]
+    errors = [after[n + v] - before[n + v] for v in range(n)]
+    ns.deactivate()
+    ref = torch.ops.aten.mul.Tensor(a, b)
+    ns.activate(ROOT, [])
+    rows[name] = {"twin": twin(a, b), "hits": hits, "errors": errors,
+                  "same": torch.equal(got, ref) and got.stride() == ref.stride() and got.dtype == ref.dtype}
+print(json.dumps(rows))
+"""
+
+
+def test_family_guard_hits_exactly_what_bind_and_the_needs_admit(family_shim, tmp_path):
+    code = f"TESTS = {str(TESTS)!r}\nROOT = {str(family_shim)!r}\n{CALLS}"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{TESTS}"}, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    for name, row in rows.items():
+        want = [0, 0] if row["twin"] is None else [int(v == row["twin"]) for v in (0, 1)]
+        assert row["hits"] == want, (name, row)
+        assert row["errors"] == [0, 0] and row["same"], (name, row)
+    # the cases cover both answers of every check: the twin is not vacuous
+    fired = {name: row["twin"] for name, row in rows.items()}
+    assert fired["inside, not captured (3,6)"] == 0 and fired["range max (4,7)"] == 0
+    assert fired["first input 8 mod 16"] == 0 and fired["second input 4 mod 16"] == 0
+    assert fired["exact variant"] == 1
+    for miss in ("inside, odd numel (3,5)", "d0 above range (5,2)", "d1 below range (2,1)", "unequal equal dims",
+                 "broken stride (contiguous second input)", "broken stride (sliced last axis)", "fixed size differs",
+                 "first input 4 mod 8", "dtype differs", "exact variant, 4 mod 16"):
+        assert fired[miss] is None, miss
+
+
+def test_family_guard_code_binds_dims_and_states_the_kernels_needs():
+    fam = family_card()
+    code = shimgen.generate([shimgen.ShimVariant(fam, "k.so", FAMILY_NEEDS)], "forgepack_t", "cpu")
+    ranges = ", ".join(f"{{{d.min}, {d.max}}}" for d in fam.family.dims)
+    assert f"constexpr fpg::DimRange v0_ranges[] = {{{ranges}}};" in code
+    assert "int64_t dv0[2] = {-1, -1};" in code
+    guard = code[code.index("if (variants[0]"):code.index("fpg::SameDevice same")]
+    binds = [guard.index("fpg::bind(a0"), guard.index("fpg::bind(a1")]
+    strides = [guard.index("fpg::strides_ok(a0"), guard.index("fpg::strides_ok(a1")]
+    assert max(binds) < min(strides)  # strides are checked once every dim is bound
+    assert "% 16 == 0)" in guard  # the stated numel divisibility
+    assert "fpg::match(" not in guard
+    # alignment is the stated need (offset 0 modulo 8 and 4 bytes), not the captured storage offset
+    assert ", 0, 8};" in code and ", 0, 4};" in code
+    assert "fpg::alloc(kBackend, same.device, v0_out0, dv0)" in code
+
+
+def test_needs_that_do_not_fit_the_card_are_refused():
+    fam = family_card()
+    with pytest.raises(ValueError, match="alignments"):
+        shimgen.generate([shimgen.ShimVariant(fam, "k.so", Needs((Align(4),)))], "forgepack_t", "cpu")
+    with pytest.raises(ValueError, match="power of two"):
+        shimgen.generate([shimgen.ShimVariant(fam, "k.so", Needs((Align(12), Align())))], "forgepack_t", "cpu")
+    with pytest.raises(ValueError, match="dim 'd9'"):
+        shimgen.generate([shimgen.ShimVariant(fam, "k.so", Needs((Align(), Align()), (("d9", 2),)))],
+                         "forgepack_t", "cpu")
+    exact = card_from_call(torch.ops.aten.mul.Tensor, (torch.randn(3, 5), torch.randn(3, 5)), {})[0]
+    with pytest.raises(shimgen.Unsupported, match="multiple of 4"):
+        shimgen.generate([shimgen.ShimVariant(exact, "k.so", Needs((Align(), Align()), (), ((0, 4),)))],
+                         "forgepack_t", "cpu")
+
+
+def test_an_exact_kernel_that_states_its_alignment_is_guarded_on_it_alone():
+    x = torch.randn(65)[1:].view(8, 8)  # captured at 4 mod 16
+    exact = card_from_call(torch.ops.aten.mul.Tensor, (x, x), {})[0]
+    default = shimgen.generate([shimgen.ShimVariant(exact, "k.so")], "forgepack_t", "cpu")
+    stated = shimgen.generate([shimgen.ShimVariant(exact, "k.so", needs.aligned(exact, 4))], "forgepack_t", "cpu")
+    assert "v0_a0_strides, 4};" in default  # today's rule: the captured offset modulo 16
+    assert "v0_a0_strides, 0, 4};" in stated  # the stated need: any 4-byte aligned pointer
+
+
+def test_needs_round_trip_json_and_default_is_the_captured_offset():
+    fam = family_card()
+    assert needs.from_json(json.loads(json.dumps(needs.to_json(FAMILY_NEEDS)))) == FAMILY_NEEDS
+    shifted = dataclasses.replace(fam.args[0], tensor=dataclasses.replace(fam.args[0].tensor, storage_offset=6))
+    card = dataclasses.replace(fam, args=(shifted, *fam.args[1:]))
+    assert needs.default(card).align == (Align(16, 8), Align(16, 0))  # 6 floats: 24 bytes, 8 mod 16
