@@ -67,7 +67,8 @@ def load_pack(spec: str) -> Any:
         target = Path(tempfile.mkdtemp(prefix="forgepack-pack-"))
         with zipfile.ZipFile(path) as whl:
             whl.extractall(target)
-        names = [p.name for p in target.iterdir() if p.is_dir() and p.name.startswith("forgepack_pack_")]
+        names = [p.name for p in target.iterdir()
+                 if p.is_dir() and p.name.startswith("forgepack_pack_") and p.name.isidentifier()]  # not its .dist-info
         if not names:
             raise SystemExit(f"{spec}: no forgepack_pack_* package inside")
         sys.path.insert(0, str(target))
