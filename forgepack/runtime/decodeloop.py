@@ -187,6 +187,7 @@ class _State:
         self.eos = zeros(vocab, dtype=torch.bool)
         self.unfinished, self.tokens, self.alive = zeros(rows), zeros(rows, width), zeros(width)
         self.logits, self.scores = zeros(rows, vocab, dtype=torch.float32), zeros(rows, vocab, dtype=torch.float32)
+        self.slots, self.mask = torch.arange(width, device=device), zeros(rows, width, dtype=torch.bool)
 
     def start(self, batch: int, prompt: int, greedy: Greedy) -> None:
         """A request's values (host-issued fills, no sync): real rows unfinished, padding rows finished."""
@@ -314,7 +315,9 @@ class DecodeLoop:
         """The server's bucketed prefill; the fp32-castable logits of the last real position [batch, vocab]."""
         batch, prompt = ids.shape
         positions = torch.arange(prompt, device=ids.device)
+        causal = torch.arange(request.cache_len, device=ids.device) <= positions.unsqueeze(1)  # [prompt, slots]
         call = {"input_ids": ids, "position_ids": positions.unsqueeze(0).repeat(batch, 1),
+                "attention_mask": causal[None, None].repeat(batch, 1, 1, 1),  # as generate's for a static cache
                 self.server.cache_key: request.cache, "use_cache": True}
         if self.positions:
             call["cache_position"] = positions
@@ -331,6 +334,9 @@ class DecodeLoop:
             state = _State(request.rows, vocab, request.cache_len, device)
             kwargs = decode_kwargs_of(self.server.eager, state.token, request.cache, 0)
             kwargs["position_ids"] = state.position
+            # The 4D mask generate builds for a static cache (every slot up to the position), made inside the
+            # graph: transformers uses a 4D mask as given, so no mask code of its own runs under capture.
+            kwargs["attention_mask"] = state.mask.view(request.rows, 1, 1, request.cache_len)
             if "cache_position" in kwargs:
                 kwargs["cache_position"] = state.where
             loop = self._loops[key] = _Loop(state, request.cache, kwargs)
@@ -341,6 +347,7 @@ class DecodeLoop:
 
     def _run(self, loop: _Loop) -> None:
         """The decode step itself: what the graph holds, and what an eager step runs."""
+        torch.le(loop.state.slots, loop.state.position, out=loop.state.mask)
         out = self.server.eager(**loop.kwargs)
         loop.state.pick(out.logits[:, -1])
         loop.state.position.add_(1)
