@@ -299,18 +299,19 @@ class Server:
         return _slice_output(out, request.batch, length if _keeps_all(kwargs) else None)
 
     def _counted(self, bucket: str, call: dict) -> Any:
-        before = self.graphed.stats()
+        # the graphed forward's live counters, read before and after (stats() built four dicts per call)
+        tally, reasons = self.graphed._counts, self.graphed._reasons
+        replays, captures, eager = tally["replays"], tally["captures"], tally["eager_calls"]
+        before = reasons.copy()
         out = self.graphed(**call)
-        after = self.graphed.stats()
         counts = self._buckets[bucket]
         counts["calls"] += 1
-        if after["replays"] > before["replays"]:
+        if tally["replays"] > replays:
             counts["replays"] += 1
-        if after["captures"] > before["captures"]:
+        if tally["captures"] > captures:
             counts["captures"] += 1
-        for reason, n in after["reasons"].items():
-            if n > before["reasons"].get(reason, 0):
-                counts[f"eager: {reason}"] += 1
+        if tally["eager_calls"] > eager:
+            counts.update(f"eager: {r}" for r, n in reasons.items() if n > before[r])
         return out
 
     # -- warm-up and introspection -----------------------------------------------------------------------
