@@ -1,7 +1,7 @@
 """Serving: graph mode inside `model.generate()` for causal LMs, with bucketed shapes.
 
-Shipped inside every pack wheel: imports only torch, the standard library and `graphs` (transformers is
-imported lazily, only for a model that has `generate`).
+Shipped inside every pack wheel: imports only torch, the standard library, `graphs` and `decodeloop`
+(transformers is imported lazily, only for a model that has `generate`).
 
     server = serving.serve(model)            # or pack.activate(graphs=True, model=model)
     model.generate(ids, max_new_tokens=64)   # decode replays one graph per batch bucket
@@ -32,6 +32,9 @@ How a request is served (`Server.generate`):
    decode mask hides every slot at or after the current position.
 5. Every decode step then has one shape per (bucket, cache length) and the same cache object: after
    the graph warm-up each step is one replay.
+6. A plain greedy request (`decodeloop.plain`) skips generate's own loop: `decodeloop.DecodeLoop`
+   prefills through step 4 and replays one graph per whole decode step, greedy pick and stopping
+   included (`ServeOptions.decode_loop=False` serves every request through generate as above).
 
 Requests it does not serve run `generate` eagerly and say why in `stats()["eager_requests"]`: beam
 search, assisted generation, `inputs_embeds`, attention/hidden-state outputs, encoder-decoders, a
@@ -53,7 +56,7 @@ from typing import Any
 
 import torch
 
-from . import graphs
+from . import decodeloop, graphs
 
 _LOG = logging.getLogger(__name__)
 
@@ -88,6 +91,7 @@ class ServeOptions:
     cache_lengths: tuple[int, ...] = DEFAULT_CACHE_LENGTHS
     max_cache_len: int = DEFAULT_MAX_CACHE_LEN
     disable_compile: bool = True
+    decode_loop: bool = True  # plain greedy requests decoded by decodeloop.DecodeLoop
 
     def __post_init__(self):
         for name in ("batch_buckets", "prompt_buckets", "cache_lengths"):
@@ -179,6 +183,7 @@ class Server:
         self._requests: collections.Counter = collections.Counter()
         self._eager_requests: collections.Counter = collections.Counter()
         self._buckets: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+        self.loop = decodeloop.DecodeLoop(self)
         had = "generate" in vars(model)
         self._restore = (had, vars(model).get("generate"))
         self._original = vars(model)["generate"] if had else type(model).generate.__get__(model)
@@ -201,7 +206,8 @@ class Server:
             self._eager_requests[why] += 1
             return self._run(None, inputs, args, kwargs)
         self._requests["served"] += 1
-        return self._run(plan, inputs, args, kwargs)
+        fast = self.loop.generate(plan, ids, kwargs) if self.options.decode_loop else None
+        return fast if fast is not None else self._run(plan, inputs, args, kwargs)
 
     def _run(self, request: _Request | None, inputs: Any, args: tuple, kwargs: dict) -> Any:
         kwargs = dict(kwargs)
@@ -293,18 +299,19 @@ class Server:
         return _slice_output(out, request.batch, length if _keeps_all(kwargs) else None)
 
     def _counted(self, bucket: str, call: dict) -> Any:
-        before = self.graphed.stats()
+        # the graphed forward's live counters, read before and after (stats() built four dicts per call)
+        tally, reasons = self.graphed._counts, self.graphed._reasons
+        replays, captures, eager = tally["replays"], tally["captures"], tally["eager_calls"]
+        before = reasons.copy()
         out = self.graphed(**call)
-        after = self.graphed.stats()
         counts = self._buckets[bucket]
         counts["calls"] += 1
-        if after["replays"] > before["replays"]:
+        if tally["replays"] > replays:
             counts["replays"] += 1
-        if after["captures"] > before["captures"]:
+        if tally["captures"] > captures:
             counts["captures"] += 1
-        for reason, n in after["reasons"].items():
-            if n > before["reasons"].get(reason, 0):
-                counts[f"eager: {reason}"] += 1
+        if tally["eager_calls"] > eager:
+            counts.update(f"eager: {r}" for r, n in reasons.items() if n > before[r])
         return out
 
     # -- warm-up and introspection -----------------------------------------------------------------------
@@ -343,7 +350,7 @@ class Server:
         calls by reason, and the graphed forward's own counters."""
         return {"served_requests": self._requests["served"], "eager_requests": dict(self._eager_requests),
                 "buckets": {k: dict(v) for k, v in sorted(self._buckets.items())},
-                "caches": sorted(self._caches), "graphs": self.graphed.stats()}
+                "caches": sorted(self._caches), "graphs": self.graphed.stats(), "decode_loop": self.loop.stats()}
 
     def close(self) -> None:
         """Give `generate` back, free the caches and graphs (graph mode itself is disabled by the caller)."""
@@ -353,6 +360,7 @@ class Server:
         else:
             vars(self.model).pop("generate", None)
         self._caches.clear()
+        self.loop.clear()
         _SERVERS.pop(self.model, None)
 
 
