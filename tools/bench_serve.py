@@ -29,6 +29,7 @@ Output: `<out>/results/bench_serve-<models>.json` and `.md` (date, device, commi
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import importlib
 import random
@@ -153,8 +154,10 @@ def columns_for(model, pack, args, trace, ids, device) -> list[Column]:
     def graphs_prepare():  # the trace's buckets captured before the rounds, as a server would at start
         serving_of(pack).warmup(model, shapes=[(r["batch"], r["prompt"], r["new"]) for r in trace])
 
-    cols.append(Column("pack+graphs" if pack else "graphs", enter=graphs_enter, leave=graphs_leave, first=graphs_first,
-                       prepare=graphs_prepare))
+    name = "pack+graphs" if pack else "graphs"
+    cols.append(Column(name, enter=graphs_enter, leave=graphs_leave, first=graphs_first, prepare=graphs_prepare))
+    if not args.no_loop_column:
+        cols.append(generate_loop_column(name, model, pack, graphs_enter, graphs_leave, trace, ids))
     if device.type == "cuda" and not args.no_compile:
         cols.append(Column("static+compile", {"cache_implementation": "static"},
                            first=lambda: torch._dynamo.reset()))
@@ -171,6 +174,29 @@ def columns_for(model, pack, args, trace, ids, device) -> list[Column]:
                            enter=ro_enter, leave=lambda: vars(model).pop("forward", None)))
         cols[-1].prepare = lambda c=cols[-1]: run_trace(c, model, trace, ids)
     return cols
+
+
+def generate_loop_column(name: str, model, pack, enter, leave, trace, ids) -> Column:
+    """The same server with `decode_loop=False`: every decode step goes through transformers' own
+    generate() loop, one graph replay per forward (the lever the decode loop pulls, side by side)."""
+    saved: dict[str, Any] = {}
+
+    def loop_enter():
+        enter()
+        server = serving_of(pack).server(model)
+        if server is not None:
+            saved["options"] = server.options
+            server.options = dataclasses.replace(server.options, decode_loop=False)
+
+    def loop_leave():
+        server = serving_of(pack).server(model)
+        if server is not None and "options" in saved:
+            server.options = saved.pop("options")
+        leave()
+
+    col = Column(f"{name} (generate loop)", enter=loop_enter, leave=loop_leave)
+    col.prepare = lambda: run_trace(col, model, trace, ids)
+    return col
 
 
 def decode_compiled(forward):
@@ -338,6 +364,8 @@ def main() -> int:
     parser.add_argument("--agree", type=int, default=2, help="requests checked teacher-forced against eager")
     parser.add_argument("--pack", default=None, help="a pack wheel or import name (pack and pack+graphs columns)")
     parser.add_argument("--no-compile", action="store_true", help="leave out the torch.compile columns")
+    parser.add_argument("--no-loop-column", action="store_true",
+                        help="leave out the graphs column served through generate()'s own loop (decode_loop=False)")
     parser.add_argument("--budget-s", type=float, default=480.0,
                         help="per model: compiled columns' turns are skipped (and say so) after this many seconds")
     parser.add_argument("--out", default=None, help="output folder (default ${OUT:-benchmarks/out}/results)")
