@@ -10,6 +10,7 @@ GPU (`gpu` marker): the same with real CUDA graphs.
 from __future__ import annotations
 
 import copy
+import itertools
 import logging
 import types
 
@@ -67,6 +68,10 @@ def test_ladders_and_buckets():
     assert options.cache_length(201, cap=512) is None and options.cache_length(100, cap=90) is None
     with pytest.raises(ValueError):
         serving.ServeOptions(batch_buckets=())
+    defaults = serving.ServeOptions()  # the issue's defaults: batch 1, 2, 4, 8; prompts on a geometric ladder
+    rungs = defaults.prompt_buckets
+    assert defaults.batch_buckets == (1, 2, 4, 8) and rungs[0] == 16 and len(rungs) < 25
+    assert all(a < b <= max(a + 16, 1.5 * a + 8) for a, b in itertools.pairwise(rungs))  # at most 1.5x each step
 
 
 # --- padding and masking, one forward at a time ------------------------------------------------------
@@ -109,6 +114,71 @@ def test_a_padded_query_row_attends_like_the_last_real_one():
     assert wide.shape == (2, 1, 5, 8) and torch.equal(wide[:, :, :3], mask)
     assert torch.equal(wide[:, :, 3], mask[:, :, 2]) and torch.equal(wide[:, :, 4], mask[:, :, 2])
     assert out["input_ids"][:, 3:].eq(0).all()
+
+
+def test_padding_never_leaks_padded_against_exact_buckets(tiny_llama_dir):
+    """The same requests served twice with the emulated backend: padded (3 rows to a bucket of 4, an
+    11-token prompt to a rung of 16) and with buckets that fit them exactly (3 rows, 11 positions). Every
+    step's logits of the real rows agree, with and without a caller's left-padding mask, from the
+    warm-up calls to the replays: neither the dummy row nor the padded positions reach a result."""
+    wide, exact = load(tiny_llama_dir), load(tiny_llama_dir)
+    try:
+        padded = serving.serve(wide, batch_buckets=(4,), prompt_buckets=(16,), cache_lengths=(64,), **EMU)
+        fitted = serving.serve(exact, batch_buckets=(3,), prompt_buckets=(11,), cache_lengths=(64,), **EMU)
+        ids = torch.randint(1, 256, (3, 11))
+        mask = torch.ones_like(ids)
+        mask[1, :3] = 0
+        ids[1, :3] = 0
+        with torch.no_grad():
+            for extra in ({}, {"attention_mask": mask}):
+                for _ in range(4):  # warm-up calls, the captures, replays
+                    got, ref = generate(wide, ids, **extra), generate(exact, ids, **extra)
+                    assert torch.equal(got.sequences, ref.sequences)
+                    steps = torch.stack(got.logits)
+                    assert steps.shape == (6, 3, 256) and torch.isfinite(steps).all()
+                    assert scale_error(torch.stack(ref.logits), steps) < 1e-5
+        buckets = padded.stats()["buckets"]
+        assert buckets["prefill b4 s16 c64"]["replays"] >= 1 and buckets["decode b4 c64"]["replays"] >= 8 * 5 - 4
+        assert set(fitted.stats()["buckets"]) == {"prefill b3 s11 c64", "decode b3 c64"}
+    finally:
+        serving.stop(wide)
+        serving.stop(exact)
+
+
+def test_graphs_over_max_bytes_run_eagerly_and_stats_say_why(pair):
+    """max_bytes bounds the memory the served graphs hold (one pool, graphs.GraphedForward's bound): a
+    graph over it is replayed for the call that captured it and dropped, and its bucket then counts its
+    calls under "over max_bytes" (not "capture failed": nothing failed). Results stay eager's."""
+    model, twin = pair
+    server = serving.serve(model, max_bytes=1, **EMU, **SMALL)
+    ids = torch.randint(1, 256, (2, 9))
+    with torch.no_grad():
+        for _ in range(2):
+            assert torch.equal(generate(model, ids).sequences, generate(twin, ids).sequences)
+    stats = server.stats()
+    assert stats["graphs"]["graphs"] == 0 and stats["graphs"]["graph_bytes"] == 0
+    decode = stats["buckets"]["decode b2 c64"]
+    # 10 decode steps: two warm-ups, the capture (one replay, then dropped), seven eager for its size
+    assert decode == {"calls": 10, "eager: warm-up": 2, "captures": 1, "replays": 1, "eager: over max_bytes": 7}
+    assert all("over max_bytes=1" in why for why in stats["graphs"]["failures"].values())
+
+
+def test_the_bytes_bound_evicts_the_least_recently_used_bucket(pair):
+    """A bound that holds one decode graph: a second bucket's graph evicts the first, counted."""
+    model, twin = pair
+    probe = serving.serve(model, **EMU, **SMALL)
+    ids = {rows: torch.randint(1, 256, (rows, 9)) for rows in (1, 2)}
+    with torch.no_grad():
+        for _ in range(2):
+            generate(model, ids[2])
+    one = max(probe.stats()["graphs"]["graph_bytes"], 1)
+    serving.stop(model)
+    server = serving.serve(model, max_bytes=int(one * 1.2), **EMU, **SMALL)
+    with torch.no_grad():
+        for rows in (2, 2, 1, 1, 2):
+            assert torch.equal(generate(model, ids[rows]).sequences, generate(twin, ids[rows]).sequences)
+    stats = server.stats()["graphs"]
+    assert stats["evictions"] >= 1 and stats["graph_bytes"] <= one * 1.2
 
 
 # --- a full generate() -------------------------------------------------------------------------------
@@ -239,7 +309,8 @@ def test_transformers_compile_is_off_for_a_served_model(pair, caplog):
     model._valid_auto_compile_criteria = spy
     with caplog.at_level(logging.INFO, logger=serving.__name__):
         serving.serve(model, **EMU, **SMALL)
-    assert any("automatic torch.compile is off" in r.getMessage() for r in caplog.records)
+    lines = [r.getMessage() for r in caplog.records if "automatic torch.compile is off" in r.getMessage()]
+    assert len(lines) == 1 and "serving.stop(model)" in lines[0] and "pack.deactivate()" in lines[0]
     with torch.no_grad():
         model.generate(torch.randint(1, 256, (1, 5)), max_new_tokens=3, do_sample=False, pad_token_id=0)
     assert seen and all(seen)
@@ -321,11 +392,22 @@ def test_activate_serves_generate_and_deactivate_gives_it_back(tiny_llama_dir, m
     monkeypatch.setattr(runtime, "_fused", lambda: None)
     monkeypatch.setitem(runtime._STATE, "loaded", False)
     model = load(tiny_llama_dir)
+    seen = []
+    real = model._valid_auto_compile_criteria
+
+    def spy(model_kwargs, generation_config):
+        seen.append(generation_config.disable_compile)
+        return real(model_kwargs, generation_config)
+
+    model._valid_auto_compile_criteria = spy
     runtime._enable_graphs(model, {"backend": "emulate", "cache_lengths": (64,)})
     assert serving.server(model) is not None and "generate" in vars(model)
     assert serving.server(model).options.cache_lengths == (64,)
-    runtime.deactivate()
+    runtime.deactivate()  # what the log line says gives transformers' compile back
     assert serving.server(model) is None and "generate" not in vars(model) and "forward" not in vars(model)
+    with torch.no_grad():
+        model.generate(torch.randint(1, 256, (1, 5)), max_new_tokens=2, do_sample=False, pad_token_id=0)
+    assert seen and not any(seen)
     runtime._enable_graphs(model, {"backend": "emulate", "serve": False})
     assert serving.server(model) is None and isinstance(model.forward, graphs.GraphedForward)
     runtime.deactivate()
@@ -419,3 +501,4 @@ def test_bench_serve_smoke_on_cpu(tmp_path, monkeypatch):
     assert cols["graphs"]["top1"] == 1.0 and cols["graphs"]["max_err_over_scale"] < 1e-4
     assert cols["graphs"]["serving"]["graphs"]["replays"] > 0
     assert "| graphs" in (tmp_path / "results" / "bench_serve-tiny-llama.md").read_text()
+

@@ -194,10 +194,12 @@ def activate(strict: bool = False, graphs: bool = False, model: Any = None, **gr
     the forward unsafe to capture, the manifest says why and graph mode stays off (one warning).
     For a causal LM `model`, `generate()` is served too (`serving.py`): forgepack's static cache per
     batch bucket, padded batch and prompt buckets, one replay per decode step, and transformers'
-    automatic torch.compile turned off for that model. `serve=False` keeps graph mode to the forward
-    (the old behaviour); `graphs=False` gives generate() its own compile back. Bucket options
-    (`batch_buckets`, `prompt_buckets`, `cache_lengths`, `max_cache_len`) join `graph_options`;
-    `warmup(model, ...)` captures before the first request.
+    automatic torch.compile turned off for that model (one log line says so). To get transformers'
+    own `generate()` back, compile included: `deactivate()`, or `serving.stop(model)` to keep the
+    kernels (a later `activate(graphs=False)` changes nothing: activation is idempotent).
+    `serve=False` keeps graph mode to the forward (the old behaviour). Bucket and memory options
+    (`batch_buckets`, `prompt_buckets`, `cache_lengths`, `max_cache_len`, `max_bytes`) join
+    `graph_options`; `warmup(model, ...)` captures before the first request.
 
     Given `model`, it also checks that the model is laid out as the pack was built for: a pack built
     for a channels-last model on an NCHW one would be correct but useless (every guard misses), so

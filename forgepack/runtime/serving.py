@@ -185,8 +185,7 @@ class Server:
         vars(model)["generate"] = _ServedGenerate(self)
         _SERVERS[model] = self
         if options.disable_compile:
-            _LOG.info("forgepack graph mode serves %s.generate(): transformers' automatic torch.compile is off "
-                      "for this model (activate(graphs=False), or serve=False, gives it back)", type(model).__name__)
+            _LOG.info("%s", compile_off_message(model))
 
     # -- a request ---------------------------------------------------------------------------------------
 
@@ -357,6 +356,13 @@ class Server:
 
 
 _SERVERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def compile_off_message(model: Any) -> str:
+    """The one log line a served model gets: its compile is off, and how to have it back."""
+    return (f"forgepack graph mode serves {type(model).__name__}.generate(): transformers' automatic torch.compile "
+            "is off for this model while it is served; to get it back, pack.deactivate() (kernels off too) or "
+            "serving.stop(model) (the pack's kernels stay) gives generate() back as transformers runs it")
 
 
 def serve(model: Any, **options: Any) -> Server:
