@@ -502,3 +502,57 @@ def test_bench_serve_smoke_on_cpu(tmp_path, monkeypatch):
     assert cols["graphs"]["serving"]["graphs"]["replays"] > 0
     assert "| graphs" in (tmp_path / "results" / "bench_serve-tiny-llama.md").read_text()
 
+
+TINY_TRACE = ["--requests", "2", "--batches", "1,2", "--prompt", "16,24", "--new", "3,4", "--rounds", "1",
+              "--agree", "1"]
+
+
+def test_forgepack_bench_serve_runs_the_serving_benchmark_through_the_cli(isolated_dirs):
+    """`forgepack bench --serve` on CPU: the eager and graphs (emulated) columns of servebench over a tiny
+    trace, through the real command: JSON on stdout, serve_bench.json in the workspace, the served
+    path's replays, agreement with eager, and the first request from a cold process; then the table."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from forgepack.cli import app
+
+    runner = CliRunner()
+    args = ["bench", "tiny-llama", "--target", "cpu", "--serve", *TINY_TRACE]
+    done = runner.invoke(app, [*args, "--json"])
+    assert done.exit_code == 0, done.output
+    doc = json.loads(done.stdout)
+    assert doc["recipe"] == "tiny-llama" and doc["device"] == "cpu" and doc["settings"]["batches"] == [1, 2]
+    assert len(doc["trace"]) == 2 and list(doc["columns"]) == ["eager", "graphs"]
+    for name, col in doc["columns"].items():
+        assert col["tokens_per_s"] > 0 and col["first_request_s"] > 0 and col["top1"] == 1.0, name
+    graphs_col = doc["columns"]["graphs"]
+    assert graphs_col["max_err_over_scale"] < 1e-4 and graphs_col["serving"]["graphs"]["replays"] > 0
+    assert graphs_col["serving"]["served_requests"] > 0 and not graphs_col["serving"]["eager_requests"]
+    cold = graphs_col["cold_process"]
+    assert cold["served"] and cold["since_activate_s"] >= cold["first_request_s"] > 0, cold
+    saved = json.loads((isolated_dirs / ".forgepack" / "tiny_llama" / "serve_bench.json").read_text())
+    assert saved["columns"].keys() == doc["columns"].keys()
+
+    table = runner.invoke(app, [*args, "--no-cold"], env={"COLUMNS": "250"})
+    assert table.exit_code == 0, table.output
+    rows = [line for line in table.stdout.splitlines() if line.startswith(("│ eager", "│ graphs"))]
+    assert len(rows) == 2 and "emulated backend" in table.output, table.output
+
+
+@pytest.mark.parametrize(("argv", "words"), [
+    (["--serve", "--batches", "1,x"], "--batches is a comma-separated list"),
+    (["--serve", "--prompt", "64,16"], "--prompt must be low,high"),
+    (["--serve", "--reps", "3"], "--reps is not for the serving benchmark"),
+    (["--requests", "3"], "--requests is for the serving benchmark (add --serve)"),
+])
+def test_bench_serve_bad_flags_say_why_in_one_line(argv, words, monkeypatch, capsys):
+    import sys
+
+    from forgepack.cli import main
+
+    monkeypatch.setattr(sys, "argv", ["forgepack", "bench", "tiny-llama", "--target", "cpu", *argv])
+    with pytest.raises(SystemExit) as exit_info:
+        main()
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and words in err and len(err.strip().splitlines()) == 1, err
