@@ -310,7 +310,8 @@ def test_transformers_compile_is_off_for_a_served_model(pair, caplog):
     with caplog.at_level(logging.INFO, logger=serving.__name__):
         serving.serve(model, **EMU, **SMALL)
     lines = [r.getMessage() for r in caplog.records if "automatic torch.compile is off" in r.getMessage()]
-    assert len(lines) == 1 and "serving.stop(model)" in lines[0] and "pack.deactivate()" in lines[0]
+    assert len(lines) == 1 and "forgepack.runtime.serving.stop(model)" in lines[0], lines
+    assert "the pack's deactivate()" in lines[0]  # a pack's copy names the pack: <pack>.deactivate()
     with torch.no_grad():
         model.generate(torch.randint(1, 256, (1, 5)), max_new_tokens=3, do_sample=False, pad_token_id=0)
     assert seen and all(seen)

@@ -359,10 +359,13 @@ _SERVERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def compile_off_message(model: Any) -> str:
-    """The one log line a served model gets: its compile is off, and how to have it back."""
+    """The one log line a served model gets: its compile is off, and how to have it back (named by this
+    copy's own module path: a pack's, or forgepack's runtime)."""
+    package = __name__.rpartition(".")[0]
+    pack = "the pack's deactivate()" if package == "forgepack.runtime" else f"{package}.deactivate()"
     return (f"forgepack graph mode serves {type(model).__name__}.generate(): transformers' automatic torch.compile "
-            "is off for this model while it is served; to get it back, pack.deactivate() (kernels off too) or "
-            "serving.stop(model) (the pack's kernels stay) gives generate() back as transformers runs it")
+            f"is off for this model while it is served; {__name__}.stop(model) gives generate() back as "
+            f"transformers runs it, compile included (so does {pack}, which also turns the kernels off)")
 
 
 def serve(model: Any, **options: Any) -> Server:
