@@ -476,6 +476,29 @@ def test_gpu_inference_mode_capture(tiny_llama_dir):
         serving.stop(model)
 
 
+@pytest.mark.gpu
+def test_gpu_served_graphs_share_one_pool_bounded_by_max_bytes(tiny_llama_dir):
+    """Real graphs: the server's graphs go to the device's one shared pool, and a bound they do not fit
+    under (a graph's bytes are its static inputs and the pool's growth) leaves them eager, named."""
+    from forgepack.runtime import graphbackends
+
+    model, twin = load(tiny_llama_dir, "cuda"), load(tiny_llama_dir, "cuda")
+    server = serving.serve(model, max_bytes=1, cache_lengths=(64,), prompt_buckets=(16,))
+    try:
+        ids = torch.randint(1, 256, (2, 9), device="cuda")
+        with torch.no_grad():
+            for _ in range(2):
+                out = generate(model, ids)
+                assert scale_error(teacher_forced(twin, out.sequences, 9), torch.stack(out.logits)) < 1e-4
+        device = torch.device("cuda", torch.cuda.current_device())
+        assert server.graphed._backend.pool_for(device) is graphbackends.shared_pool(device)
+        stats = server.stats()
+        assert stats["graphs"]["graphs"] == 0, stats
+        assert stats["buckets"]["decode b2 c64"]["eager: over max_bytes"] == 7, stats
+    finally:
+        serving.stop(model)
+
+
 # --- the serving benchmark -----------------------------------------------------------------------------
 
 
