@@ -580,3 +580,12 @@ def test_bench_serve_bad_flags_say_why_in_one_line(argv, words, monkeypatch, cap
         main()
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and words in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_failed_cold_process_is_reported_not_raised():
+    """The cold-process measurement must not cost the rest of the benchmark: its failure is a value."""
+    from forgepack import recipe, servebench
+
+    tiny = recipe.resolve("tiny-llama").replace(target={"device": "cpu"})
+    got = servebench.cold_process(tiny, servebench.ServeSettings(requests=1), "no_such_pack_module")
+    assert "the cold process failed (exit 1)" in got["error"] and "no_such_pack_module" in got["error"], got
