@@ -409,10 +409,15 @@ def test_activate_serves_generate_and_deactivate_gives_it_back(tiny_llama_dir, m
     with torch.no_grad():
         model.generate(torch.randint(1, 256, (1, 5)), max_new_tokens=2, do_sample=False, pad_token_id=0)
     assert seen and not any(seen)
+    seen.clear()
+    before = model.generation_config.disable_compile
     runtime._enable_graphs(model, {"backend": "emulate", "serve": False})
     assert serving.server(model) is None and isinstance(model.forward, graphs.GraphedForward)
+    with torch.no_grad():  # graph mode on the forward only: generate() must not compile it either
+        model.generate(torch.randint(1, 256, (1, 5)), max_new_tokens=2, do_sample=False, pad_token_id=0)
+    assert seen and all(seen) and model.generation_config.disable_compile is True
     runtime.deactivate()
-    assert "forward" not in vars(model)
+    assert "forward" not in vars(model) and model.generation_config.disable_compile is before
 
 
 def test_serving_imports_only_torch_the_standard_library_and_graphs():
