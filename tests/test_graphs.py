@@ -126,7 +126,7 @@ def test_eviction_by_bytes_and_a_graph_too_large_to_keep():
     stats = tiny.stats()
     assert stats["captures"] == 1 and stats["graphs"] == 0 and stats["fallbacks"] == 1
     assert "over max_bytes" in next(iter(stats["failures"].values()))
-    assert stats["reasons"]["capture failed earlier"] == 2
+    assert stats["reasons"]["over max_bytes"] == 2  # why they ran eagerly, not a capture that failed
 
 
 def test_capture_failure_falls_back_to_eager_with_one_warning_per_signature():

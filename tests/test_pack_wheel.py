@@ -480,3 +480,21 @@ def test_bench_gives_no_graph_number_where_the_manifest_turns_graph_mode_off(bui
     assert proc.returncode == 0, proc.stderr[-2000:]
     skipped = json.loads(proc.stdout)["columns"]["pack+graphs"]["skipped"]
     assert "manifest turns graph mode off" in skipped and "cpu target" in skipped, skipped
+
+
+def test_bench_serve_serves_the_pack_s_generate_from_its_own_runtime(built, tmp_path):
+    """`forgepack bench --serve --pack`: pack+graphs is the pack's activate(graphs=True, model=...), and
+    the server it installs lives in the pack's copy of the runtime. The benchmark asked forgepack's own
+    runtime for it, found none, and skipped the column as if the manifest had turned graph mode off."""
+    result, _ = built
+    cmd = [sys.executable, "-m", "forgepack", "bench", "tiny-llama", "--target", "cpu", "--serve", "--pack",
+           str(result.wheel), "--json", "--requests", "2", "--batches", "1,2", "--prompt", "16,24", "--new", "3,4",
+           "--rounds", "1", "--agree", "1"]
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=900, check=False,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    cols = json.loads(proc.stdout)["columns"]
+    assert list(cols) == ["eager", "pack", "pack+graphs"]
+    served = cols["pack+graphs"]
+    assert "note" not in served and served["tokens_per_s"] > 0 and served["top1"] >= 0.9, served
+    assert served["serving"]["graphs"]["replays"] > 0 and served["cold_process"]["served"], served

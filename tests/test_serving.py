@@ -10,6 +10,7 @@ GPU (`gpu` marker): the same with real CUDA graphs.
 from __future__ import annotations
 
 import copy
+import itertools
 import logging
 import types
 
@@ -68,6 +69,10 @@ def test_ladders_and_buckets():
     assert options.cache_length(201, cap=512) is None and options.cache_length(100, cap=90) is None
     with pytest.raises(ValueError):
         serving.ServeOptions(batch_buckets=())
+    defaults = serving.ServeOptions()  # the issue's defaults: batch 1, 2, 4, 8; prompts on a geometric ladder
+    rungs = defaults.prompt_buckets
+    assert defaults.batch_buckets == (1, 2, 4, 8) and rungs[0] == 16 and len(rungs) < 25
+    assert all(a < b <= max(a + 16, 1.5 * a + 8) for a, b in itertools.pairwise(rungs))  # at most 1.5x each step
 
 
 # --- padding and masking, one forward at a time ------------------------------------------------------
@@ -110,6 +115,71 @@ def test_a_padded_query_row_attends_like_the_last_real_one():
     assert wide.shape == (2, 1, 5, 8) and torch.equal(wide[:, :, :3], mask)
     assert torch.equal(wide[:, :, 3], mask[:, :, 2]) and torch.equal(wide[:, :, 4], mask[:, :, 2])
     assert out["input_ids"][:, 3:].eq(0).all()
+
+
+def test_padding_never_leaks_padded_against_exact_buckets(tiny_llama_dir):
+    """The same requests served twice with the emulated backend: padded (3 rows to a bucket of 4, an
+    11-token prompt to a rung of 16) and with buckets that fit them exactly (3 rows, 11 positions). Every
+    step's logits of the real rows agree, with and without a caller's left-padding mask, from the
+    warm-up calls to the replays: neither the dummy row nor the padded positions reach a result."""
+    wide, exact = load(tiny_llama_dir), load(tiny_llama_dir)
+    try:
+        padded = serving.serve(wide, batch_buckets=(4,), prompt_buckets=(16,), cache_lengths=(64,), **EMU)
+        fitted = serving.serve(exact, batch_buckets=(3,), prompt_buckets=(11,), cache_lengths=(64,), **EMU)
+        ids = torch.randint(1, 256, (3, 11))
+        mask = torch.ones_like(ids)
+        mask[1, :3] = 0
+        ids[1, :3] = 0
+        with torch.no_grad():
+            for extra in ({}, {"attention_mask": mask}):
+                for _ in range(4):  # warm-up calls, the captures, replays
+                    got, ref = generate(wide, ids, **extra), generate(exact, ids, **extra)
+                    assert torch.equal(got.sequences, ref.sequences)
+                    steps = torch.stack(got.logits)
+                    assert steps.shape == (6, 3, 256) and torch.isfinite(steps).all()
+                    assert scale_error(torch.stack(ref.logits), steps) < 1e-5
+        buckets = padded.stats()["buckets"]
+        assert buckets["prefill b4 s16 c64"]["replays"] >= 1 and buckets["decode b4 c64"]["replays"] >= 8 * 5 - 4
+        assert set(fitted.stats()["buckets"]) == {"prefill b3 s11 c64", "decode b3 c64"}
+    finally:
+        serving.stop(wide)
+        serving.stop(exact)
+
+
+def test_graphs_over_max_bytes_run_eagerly_and_stats_say_why(pair):
+    """max_bytes bounds the memory the served graphs hold (one pool, graphs.GraphedForward's bound): a
+    graph over it is replayed for the call that captured it and dropped, and its bucket then counts its
+    calls under "over max_bytes" (not "capture failed": nothing failed). Results stay eager's."""
+    model, twin = pair
+    server = serving.serve(model, max_bytes=1, **EMU, **SMALL)
+    ids = torch.randint(1, 256, (2, 9))
+    with torch.no_grad():
+        for _ in range(2):
+            assert torch.equal(generate(model, ids).sequences, generate(twin, ids).sequences)
+    stats = server.stats()
+    assert stats["graphs"]["graphs"] == 0 and stats["graphs"]["graph_bytes"] == 0
+    decode = stats["buckets"]["decode b2 c64"]
+    # 10 decode steps: two warm-ups, the capture (one replay, then dropped), seven eager for its size
+    assert decode == {"calls": 10, "eager: warm-up": 2, "captures": 1, "replays": 1, "eager: over max_bytes": 7}
+    assert all("over max_bytes=1" in why for why in stats["graphs"]["failures"].values())
+
+
+def test_the_bytes_bound_evicts_the_least_recently_used_bucket(pair):
+    """A bound that holds one decode graph: a second bucket's graph evicts the first, counted."""
+    model, twin = pair
+    probe = serving.serve(model, **EMU, **SMALL)
+    ids = {rows: torch.randint(1, 256, (rows, 9)) for rows in (1, 2)}
+    with torch.no_grad():
+        for _ in range(2):
+            generate(model, ids[2])
+    one = max(probe.stats()["graphs"]["graph_bytes"], 1)
+    serving.stop(model)
+    server = serving.serve(model, max_bytes=int(one * 1.2), **EMU, **SMALL)
+    with torch.no_grad():
+        for rows in (2, 2, 1, 1, 2):
+            assert torch.equal(generate(model, ids[rows]).sequences, generate(twin, ids[rows]).sequences)
+    stats = server.stats()["graphs"]
+    assert stats["evictions"] >= 1 and stats["graph_bytes"] <= one * 1.2
 
 
 # --- a full generate() -------------------------------------------------------------------------------
@@ -240,7 +310,9 @@ def test_transformers_compile_is_off_for_a_served_model(pair, caplog):
     model._valid_auto_compile_criteria = spy
     with caplog.at_level(logging.INFO, logger=serving.__name__):
         serving.serve(model, **EMU, **SMALL)
-    assert any("automatic torch.compile is off" in r.getMessage() for r in caplog.records)
+    lines = [r.getMessage() for r in caplog.records if "automatic torch.compile is off" in r.getMessage()]
+    assert len(lines) == 1 and "forgepack.runtime.serving.stop(model)" in lines[0], lines
+    assert "the pack's deactivate()" in lines[0]  # a pack's copy names the pack: <pack>.deactivate()
     with torch.no_grad():
         model.generate(torch.randint(1, 256, (1, 5)), max_new_tokens=3, do_sample=False, pad_token_id=0)
     assert seen and all(seen)
@@ -322,15 +394,31 @@ def test_activate_serves_generate_and_deactivate_gives_it_back(tiny_llama_dir, m
     monkeypatch.setattr(runtime, "_fused", lambda: None)
     monkeypatch.setitem(runtime._STATE, "loaded", False)
     model = load(tiny_llama_dir)
+    seen = []
+    real = model._valid_auto_compile_criteria
+
+    def spy(model_kwargs, generation_config):
+        seen.append(generation_config.disable_compile)
+        return real(model_kwargs, generation_config)
+
+    model._valid_auto_compile_criteria = spy
     runtime._enable_graphs(model, {"backend": "emulate", "cache_lengths": (64,)})
     assert serving.server(model) is not None and "generate" in vars(model)
     assert serving.server(model).options.cache_lengths == (64,)
-    runtime.deactivate()
+    runtime.deactivate()  # what the log line says gives transformers' compile back
     assert serving.server(model) is None and "generate" not in vars(model) and "forward" not in vars(model)
+    with torch.no_grad():
+        model.generate(torch.randint(1, 256, (1, 5)), max_new_tokens=2, do_sample=False, pad_token_id=0)
+    assert seen and not any(seen)
+    seen.clear()
+    before = model.generation_config.disable_compile
     runtime._enable_graphs(model, {"backend": "emulate", "serve": False})
     assert serving.server(model) is None and isinstance(model.forward, graphs.GraphedForward)
+    with torch.no_grad():  # graph mode on the forward only: generate() must not compile it either
+        model.generate(torch.randint(1, 256, (1, 5)), max_new_tokens=2, do_sample=False, pad_token_id=0)
+    assert seen and all(seen) and model.generation_config.disable_compile is True
     runtime.deactivate()
-    assert "forward" not in vars(model)
+    assert "forward" not in vars(model) and model.generation_config.disable_compile is before
 
 
 def test_serving_imports_only_torch_the_standard_library_graphs_and_the_decode_loop():
@@ -394,6 +482,29 @@ def test_gpu_inference_mode_capture(tiny_llama_dir):
         serving.stop(model)
 
 
+@pytest.mark.gpu
+def test_gpu_served_graphs_share_one_pool_bounded_by_max_bytes(tiny_llama_dir):
+    """Real graphs: the server's graphs go to the device's one shared pool, and a bound they do not fit
+    under (a graph's bytes are its static inputs and the pool's growth) leaves them eager, named."""
+    from forgepack.runtime import graphbackends
+
+    model, twin = load(tiny_llama_dir, "cuda"), load(tiny_llama_dir, "cuda")
+    server = serving.serve(model, max_bytes=1, cache_lengths=(64,), prompt_buckets=(16,))
+    try:
+        ids = torch.randint(1, 256, (2, 9), device="cuda")
+        with torch.no_grad():
+            for _ in range(2):
+                out = generate(model, ids)
+                assert scale_error(teacher_forced(twin, out.sequences, 9), torch.stack(out.logits)) < 1e-4
+        device = torch.device("cuda", torch.cuda.current_device())
+        assert server.graphed._backend.pool_for(device) is graphbackends.shared_pool(device)
+        stats = server.stats()
+        assert stats["graphs"]["graphs"] == 0, stats
+        assert stats["buckets"]["decode b2 c64"]["eager: over max_bytes"] == 7, stats
+    finally:
+        serving.stop(model)
+
+
 # --- the serving benchmark -----------------------------------------------------------------------------
 
 
@@ -420,3 +531,67 @@ def test_bench_serve_smoke_on_cpu(tmp_path, monkeypatch):
     assert cols["graphs"]["top1"] == 1.0 and cols["graphs"]["max_err_over_scale"] < 1e-4
     assert cols["graphs"]["serving"]["graphs"]["replays"] > 0
     assert "| graphs" in (tmp_path / "results" / "bench_serve-tiny-llama.md").read_text()
+
+
+TINY_TRACE = ["--requests", "2", "--batches", "1,2", "--prompt", "16,24", "--new", "3,4", "--rounds", "1",
+              "--agree", "1"]
+
+
+def test_forgepack_bench_serve_runs_the_serving_benchmark_through_the_cli(isolated_dirs):
+    """`forgepack bench --serve` on CPU: the eager and graphs (emulated) columns of servebench over a tiny
+    trace, through the real command: JSON on stdout, serve_bench.json in the workspace, the served
+    path's replays, agreement with eager, and the first request from a cold process; then the table."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from forgepack.cli import app
+
+    runner = CliRunner()
+    args = ["bench", "tiny-llama", "--target", "cpu", "--serve", *TINY_TRACE]
+    done = runner.invoke(app, [*args, "--json"])
+    assert done.exit_code == 0, done.output
+    doc = json.loads(done.stdout)
+    assert doc["recipe"] == "tiny-llama" and doc["device"] == "cpu" and doc["settings"]["batches"] == [1, 2]
+    assert len(doc["trace"]) == 2 and list(doc["columns"]) == ["eager", "graphs"]
+    for name, col in doc["columns"].items():
+        assert col["tokens_per_s"] > 0 and col["first_request_s"] > 0 and col["top1"] == 1.0, name
+    graphs_col = doc["columns"]["graphs"]
+    assert graphs_col["max_err_over_scale"] < 1e-4 and graphs_col["serving"]["graphs"]["replays"] > 0
+    assert graphs_col["serving"]["served_requests"] > 0 and not graphs_col["serving"]["eager_requests"]
+    cold = graphs_col["cold_process"]
+    assert cold["served"] and cold["since_activate_s"] >= cold["first_request_s"] > 0, cold
+    saved = json.loads((isolated_dirs / ".forgepack" / "tiny_llama" / "serve_bench.json").read_text())
+    assert saved["columns"].keys() == doc["columns"].keys()
+
+    table = runner.invoke(app, [*args, "--no-cold"], env={"COLUMNS": "250"})
+    assert table.exit_code == 0, table.output
+    rows = [line for line in table.stdout.splitlines() if line.startswith(("│ eager", "│ graphs"))]
+    assert len(rows) == 2 and "emulated backend" in table.output, table.output
+
+
+@pytest.mark.parametrize(("argv", "words"), [
+    (["--serve", "--batches", "1,x"], "--batches is a comma-separated list"),
+    (["--serve", "--prompt", "64,16"], "--prompt must be low,high"),
+    (["--serve", "--reps", "3"], "--reps is not for the serving benchmark"),
+    (["--requests", "3"], "--requests is for the serving benchmark (add --serve)"),
+])
+def test_bench_serve_bad_flags_say_why_in_one_line(argv, words, monkeypatch, capsys):
+    import sys
+
+    from forgepack.cli import main
+
+    monkeypatch.setattr(sys, "argv", ["forgepack", "bench", "tiny-llama", "--target", "cpu", *argv])
+    with pytest.raises(SystemExit) as exit_info:
+        main()
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and words in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_failed_cold_process_is_reported_not_raised():
+    """The cold-process measurement must not cost the rest of the benchmark: its failure is a value."""
+    from forgepack import recipe, servebench
+
+    tiny = recipe.resolve("tiny-llama").replace(target={"device": "cpu"})
+    got = servebench.cold_process(tiny, servebench.ServeSettings(requests=1), "no_such_pack_module")
+    assert "the cold process failed (exit 1)" in got["error"] and "no_such_pack_module" in got["error"], got

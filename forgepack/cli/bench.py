@@ -1,10 +1,14 @@
 """`forgepack bench <model|recipe> --pack <wheel>`: eager, the pack and torch.compile, side by side.
+`forgepack bench <model|recipe> --serve`: the serving benchmark, real `generate()` over a mixed trace.
 
-The engine is `forgepack.bench`; this module parses the flags, writes `bench.json` and draws the table.
+The engines are `forgepack.bench` and `forgepack.servebench`; this module parses the flags, writes
+`bench.json` (or `serve_bench.json`) and draws the table.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 from pathlib import Path
 from typing import Annotated, Any
@@ -12,9 +16,13 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from forgepack import bench
+from forgepack import bench, servebench
 from forgepack.bench import COLUMNS
-from forgepack.cli.common import console, out, resolve, workspace_for
+from forgepack.cli.common import console, out, progress, resolve, workspace_for
+from forgepack.errors import UsageError
+
+SERVE = "serving benchmark (--serve)"
+DEFAULT_COLUMNS = "eager,pack,compile"
 
 
 def register(app: typer.Typer) -> None:
@@ -23,23 +31,62 @@ def register(app: typer.Typer) -> None:
 
 def bench_command(
     model: Annotated[str | None, typer.Argument(help="recipe .toml, built-in name, model dir or hub id")] = None,
-    pack: Annotated[str | None, typer.Option("--pack", help="the pack wheel (.whl) to time")] = None,
-    rounds: Annotated[int, typer.Option(help="interleaved rounds")] = 7,
-    reps: Annotated[int, typer.Option(help="forwards timed per column per round (median)")] = 5,
-    columns: Annotated[str, typer.Option(help=f"comma-separated, from: {', '.join(COLUMNS)}")] = "eager,pack,compile",
-    compile_backend: Annotated[str, typer.Option("--compile-backend", help="torch.compile backend")] = "inductor",
+    pack: Annotated[str | None, typer.Option("--pack", help="the pack wheel (.whl) to time (--serve: or its "
+                                                           "import name)")] = None,
+    rounds: Annotated[int | None, typer.Option(help="interleaved rounds (default 7; --serve: 2)")] = None,
+    reps: Annotated[int | None, typer.Option(help="forwards timed per column per round (median; default 5)")] = None,
+    columns: Annotated[str | None, typer.Option(help=f"comma-separated, from: {', '.join(COLUMNS)} "
+                                                     f"(default {DEFAULT_COLUMNS})")] = None,
+    compile_backend: Annotated[str | None, typer.Option("--compile-backend",
+                                                        help="torch.compile backend (default inductor)")] = None,
     compile_mode: Annotated[str | None, typer.Option("--compile-mode", help="torch.compile mode")] = None,
     target: Annotated[str | None, typer.Option(help="cpu or cuda (overrides the recipe)")] = None,
     dtype: Annotated[str | None, typer.Option(help="float32, float16 or bfloat16")] = None,
     batch: Annotated[int | None, typer.Option(help="batch size")] = None,
     seq_len: Annotated[int | None, typer.Option("--seq-len", help="sequence length")] = None,
+    serve: Annotated[bool, typer.Option("--serve", help="the serving benchmark: generate() over a mixed trace, "
+                                                        "columns eager, pack, pack+graphs, static+compile, "
+                                                        "reduce-overhead (CPU: eager, pack, graphs emulated)")] = False,
+    requests: Annotated[int | None, typer.Option(help=f"{SERVE}: requests in the trace (default 16)")] = None,
+    batches: Annotated[str | None, typer.Option(help=f"{SERVE}: batch sizes drawn from (default 1,2,4,8)")] = None,
+    prompt: Annotated[str | None, typer.Option(help=f"{SERVE}: prompt lengths low,high, log-uniform "
+                                                    "(default 16,2048)")] = None,
+    new: Annotated[str | None, typer.Option(help=f"{SERVE}: new tokens low,high (default 64,256)")] = None,
+    seed: Annotated[int | None, typer.Option(help=f"{SERVE}: the trace's seed (default 0)")] = None,
+    agree: Annotated[int | None, typer.Option(help=f"{SERVE}: requests checked teacher-forced against eager "
+                                                   "(default 2)")] = None,
+    no_compile: Annotated[bool, typer.Option("--no-compile", help=f"{SERVE}: leave out the torch.compile "
+                                                                  "columns")] = False,
+    no_cold: Annotated[bool, typer.Option("--no-cold", help=f"{SERVE}: leave out the first request from a cold "
+                                                            "process")] = False,
+    budget_s: Annotated[float | None, typer.Option("--budget-s", help=f"{SERVE}: compiled columns' turns are "
+                                                                      "skipped after this many seconds "
+                                                                      "(default 480)")] = None,
     workspace: Annotated[str | None, typer.Option(help="where bench.json goes (default .forgepack/<slug>)")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print JSON for machines")] = False,
 ) -> None:
-    """Time the model eagerly, with the pack, with CUDA graphs and under torch.compile, interleaved in one run."""
-    names = [c.strip() for c in columns.split(",") if c.strip()]
+    """Time the model eagerly, with the pack, with CUDA graphs and under torch.compile, interleaved in one run;
+    with --serve, time real generate() calls over a mixed trace of requests instead."""
+    serve_flags = {"--requests": requests, "--batches": batches, "--prompt": prompt, "--new": new, "--seed": seed,
+                   "--agree": agree, "--budget-s": budget_s, "--no-compile": no_compile or None,
+                   "--no-cold": no_cold or None}
+    bench_flags = {"--reps": reps, "--columns": columns, "--compile-backend": compile_backend,
+                   "--compile-mode": compile_mode, "--batch": batch, "--seq-len": seq_len}
+    wrong = [flag for flag, value in (bench_flags if serve else serve_flags).items() if value is not None]
+    if wrong:
+        raise UsageError(f"{wrong[0]} is {'not ' if serve else ''}for the serving benchmark "
+                         f"({'leave it out with' if serve else 'add'} --serve)")
+    if serve:
+        given = {"requests": requests, "seed": seed, "rounds": rounds, "agree": agree, "budget_s": budget_s}
+        settings = servebench.ServeSettings.parse(
+            batches or "1,2,4,8", prompt or "16,2048", new or "64,256", no_compile=no_compile, cold=not no_cold,
+            **{k: v for k, v in given.items() if v is not None})
+        serve_command(resolve(model, target=target, dtype=dtype), settings, pack, workspace, as_json)
+        return
+    names = [c.strip() for c in (columns or DEFAULT_COLUMNS).split(",") if c.strip()]
     recipe = resolve(model, target=target, dtype=dtype, batch=batch, seq_len=seq_len)
-    result = bench.run(recipe, names, rounds, reps, Path(pack) if pack else None, compile_backend, compile_mode)
+    result = bench.run(recipe, names, 7 if rounds is None else rounds, 5 if reps is None else reps,
+                       Path(pack) if pack else None, compile_backend or "inductor", compile_mode)
     ws = workspace_for(recipe, workspace)
     ws.root.mkdir(parents=True, exist_ok=True)
     ws.write_json("bench.json", result)  # the report's "eager vs pack vs torch.compile" section
@@ -47,6 +94,38 @@ def bench_command(
         out.print_json(json.dumps(result))
         return
     out.print(table(result))
+
+
+def serve_command(recipe, settings: servebench.ServeSettings, pack: str | None, workspace: str | None,
+                  as_json: bool) -> None:
+    """The serving benchmark on one recipe: `serve_bench.json` in the workspace, a table or JSON."""
+    from forgepack import models
+
+    with contextlib.ExitStack() as stack, models.quiet_transformers(), progress("serving benchmark") as note:
+        module = servebench.load_pack(pack, stack)
+        result = servebench.bench_model(recipe, settings, module, note, pack_spec=pack)
+    doc = {"recipe": recipe.name, "device": str(models.target_device(recipe)), "dtype": recipe.workload.dtype,
+           "pack": pack, "settings": dataclasses.asdict(settings), **result}
+    ws = workspace_for(recipe, workspace)
+    ws.root.mkdir(parents=True, exist_ok=True)
+    ws.write_json("serve_bench.json", doc)
+    if as_json:
+        out.print_json(json.dumps(doc, default=str))
+        return
+    out.print(serve_table(doc, settings))
+
+
+def serve_table(doc: dict[str, Any], settings: servebench.ServeSettings) -> Table:
+    t = Table(title=f"{doc['recipe']} on {doc['device']} ({doc['dtype']}): {servebench.describe_trace(settings)}")
+    for name in servebench.HEADERS:
+        t.add_column(name, justify="left" if name in ("column", "note") else "right")
+    for row in servebench.rows_of(doc):
+        t.add_row(*("" if v is None or v is False else str(v) for v in row))
+    if not doc["device"].startswith("cuda"):
+        console.print(servebench.NO_CUDA)
+    if settings.cold:
+        console.print(servebench.COLD)
+    return t
 
 
 def table(result: dict[str, Any]) -> Table:

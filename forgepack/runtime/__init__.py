@@ -194,10 +194,13 @@ def activate(strict: bool = False, graphs: bool = False, model: Any = None, **gr
     the forward unsafe to capture, the manifest says why and graph mode stays off (one warning).
     For a causal LM `model`, `generate()` is served too (`serving.py`): forgepack's static cache per
     batch bucket, padded batch and prompt buckets, one replay per decode step, and transformers'
-    automatic torch.compile turned off for that model. `serve=False` keeps graph mode to the forward
-    (the old behaviour); `graphs=False` gives generate() its own compile back. Bucket options
-    (`batch_buckets`, `prompt_buckets`, `cache_lengths`, `max_cache_len`) join `graph_options`;
-    `warmup(model, ...)` captures before the first request.
+    automatic torch.compile turned off for that model (one log line says so). To get transformers'
+    own `generate()` back, compile included: `deactivate()`, or `serving.stop(model)` to keep the
+    kernels (a later `activate(graphs=False)` changes nothing: activation is idempotent).
+    `serve=False` keeps graph mode to the forward (the old behaviour), transformers' compile off for
+    that model too (its generation config, put back by `deactivate()`). Bucket and memory options
+    (`batch_buckets`, `prompt_buckets`, `cache_lengths`, `max_cache_len`, `max_bytes`) join
+    `graph_options`; `warmup(model, ...)` captures before the first request.
 
     Given `model`, it also checks that the model is laid out as the pack was built for: a pack built
     for a channels-last model on an NCHW one would be correct but useless (every guard misses), so
@@ -267,6 +270,8 @@ def _enable_graphs(model: Any, options: dict[str, Any]) -> None:
         serving.serve(model, **options)  # graph mode inside model.generate() (serving.py)
     else:
         graphs_mod.enable(target, **options)
+        if model is not None:  # generate() would compile the graphed forward: the two would fight
+            serving.compile_off(model)
     _STATE["graphs"] = True
 
 
@@ -318,6 +323,7 @@ def deactivate() -> None:
             from . import serving
 
             serving.stop_all()  # generate() is the model's own again
+            serving.compile_back_all()  # and transformers' compile as the model had it
             graphs_mod.disable_all()  # before the kernels go: a graph would replay them
             _STATE["graphs"] = False
         _undo()

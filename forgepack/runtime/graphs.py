@@ -158,15 +158,15 @@ class GraphedForward:
             return self._eager(args, kwargs, reason)
         with self._lock:
             entry = self._cache.get(key)
-            failed = entry is None and self._failed.get(key) is not None
+            failed = self._failed.get(key) if entry is None else None
             count = 0
-            if entry is None and not failed:
+            if entry is None and failed is None:
                 count = self._seen.get(key, 0) + 1
                 self._seen.set(key, count)
         if entry is not None:
             return self._replay(entry, scan)
-        if failed:
-            return self._eager(args, kwargs, "capture failed earlier")
+        if failed is not None:
+            return self._eager(args, kwargs, failed)
         if count <= self.warmup:
             return self._warm(key, scan, args, kwargs)
         return self._capture(key, scan, args, kwargs)
@@ -244,7 +244,8 @@ class GraphedForward:
             return self._eager(args, kwargs, "capture failed")
         if not fits:
             limit = self._cache.max_bytes
-            self._give_up(key, summary, f"graph holds {entry.nbytes} bytes, over max_bytes={limit}", warn=False)
+            self._give_up(key, summary, f"graph holds {entry.nbytes} bytes, over max_bytes={limit}", warn=False,
+                          later="over max_bytes")
             return out
         self._counts["evictions"] += len(self._cache.put(key, entry, entry.nbytes))
         return out
@@ -296,9 +297,11 @@ class GraphedForward:
             with self._lock:
                 yield
 
-    def _give_up(self, key: Hashable, summary: str, reason: str, warn: bool = True) -> None:
-        """Run this signature eagerly from now on; warn once."""
-        self._failed.set(key, reason)
+    def _give_up(self, key: Hashable, summary: str, reason: str, warn: bool = True,
+                 later: str = "capture failed earlier") -> None:
+        """Run this signature eagerly from now on; warn once. `later` is the reason its later calls are
+        counted under (stats()["reasons"]): one short reason per cause, the detail in `failures`."""
+        self._failed.set(key, later)
         self.failures[summary] = reason
         self._counts["fallbacks"] += 1
         if warn and key not in self._warned:

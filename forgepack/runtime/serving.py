@@ -190,8 +190,7 @@ class Server:
         vars(model)["generate"] = _ServedGenerate(self)
         _SERVERS[model] = self
         if options.disable_compile:
-            _LOG.info("forgepack graph mode serves %s.generate(): transformers' automatic torch.compile is off "
-                      "for this model (activate(graphs=False), or serve=False, gives it back)", type(model).__name__)
+            _LOG.info("%s", compile_off_message(model))
 
     # -- a request ---------------------------------------------------------------------------------------
 
@@ -365,6 +364,45 @@ class Server:
 
 
 _SERVERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def compile_off_message(model: Any) -> str:
+    """The one log line a served model gets: its compile is off, and how to have it back (named by this
+    copy's own module path: a pack's, or forgepack's runtime)."""
+    package = __name__.rpartition(".")[0]
+    pack = "the pack's deactivate()" if package == "forgepack.runtime" else f"{package}.deactivate()"
+    return (f"forgepack graph mode serves {type(model).__name__}.generate(): transformers' automatic torch.compile "
+            f"is off for this model while it is served; {__name__}.stop(model) gives generate() back as "
+            f"transformers runs it, compile included (so does {pack}, which also turns the kernels off)")
+
+
+_COMPILE_OFF: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its disable_compile before
+
+
+def compile_off(model: Any) -> bool:
+    """Graph mode on a model's forward without a server (`activate(graphs=True, model=..., serve=False)`):
+    transformers' automatic compile is turned off in the model's generation config, since it would
+    compile the graphed forward ("torch.compile is tracing": no replay), with one log line saying how to
+    get it back. `compile_back_all()` (the pack's `deactivate()`) restores the config."""
+    config = getattr(model, "generation_config", None)
+    if config is None or model in _COMPILE_OFF:
+        return False
+    _COMPILE_OFF[model] = getattr(config, "disable_compile", False)
+    config.disable_compile = True
+    package = __name__.rpartition(".")[0]
+    _LOG.info("forgepack graph mode replays %s.forward: transformers' automatic torch.compile is off for this "
+              "model (generation_config.disable_compile=True); %s.deactivate() gives it back",
+              type(model).__name__, "the pack's" if package == "forgepack.runtime" else package)
+    return True
+
+
+def compile_back_all() -> int:
+    """Undo every `compile_off`: each model's generation config as it was."""
+    restored = list(_COMPILE_OFF.items())
+    for model, previous in restored:
+        model.generation_config.disable_compile = previous
+    _COMPILE_OFF.clear()
+    return len(restored)
 
 
 def serve(model: Any, **options: Any) -> Server:
