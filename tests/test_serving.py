@@ -530,6 +530,8 @@ def test_bench_serve_smoke_on_cpu(tmp_path, monkeypatch):
     assert set(cols) >= {"eager", "graphs"}
     assert cols["graphs"]["top1"] == 1.0 and cols["graphs"]["max_err_over_scale"] < 1e-4
     assert cols["graphs"]["serving"]["graphs"]["replays"] > 0
+    loop = cols["graphs"]["serving"]["decode_loop"]  # every request of the column: the graph-captured decode loop
+    assert loop["requests"] > 0 and not loop["fallbacks"] and not loop["failures"], loop
     assert "| graphs" in (tmp_path / "results" / "bench_serve-tiny-llama.md").read_text()
 
 

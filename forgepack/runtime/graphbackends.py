@@ -223,12 +223,16 @@ class _Recorder:
                     self.saved.append((t, t.detach().clone()))
         out = func(*args, **kwargs)
         returns = schema.returns
+        results = _schema_tensors(out) if not isinstance(out, torch.Tensor) else [out]
+        inputs = {t.untyped_storage().data_ptr() for v in (*args, *kwargs.values()) for t in _schema_tensors(v)}
         if returns and all(r.alias_info is not None for r in returns):
             if any(r.alias_info.is_write for r in returns):  # in place / out=: replaying repeats the write
                 self.calls.append((func, args, kwargs, []))
-            return out  # views need no replay: they alias memory the replay updates
-        results = _schema_tensors(out) if not isinstance(out, torch.Tensor) else [out]
-        inputs = {t.untyped_storage().data_ptr() for v in (*args, *kwargs.values()) for t in _schema_tensors(v)}
+                return out
+            # Views need no replay: they alias memory the replay updates. An op that only may alias (`to`,
+            # `reshape`: seen undecomposed under inference_mode) and made a new tensor is a computation.
+            if all(t.untyped_storage().data_ptr() in inputs for t in results):
+                return out
         for t in results:
             ptr = t.untyped_storage().data_ptr()
             if ptr not in inputs:  # _unsafe_view and friends share an input's storage without saying so
