@@ -555,12 +555,14 @@ def test_forgepack_bench_serve_runs_the_serving_benchmark_through_the_cli(isolat
     assert done.exit_code == 0, done.output
     doc = json.loads(done.stdout)
     assert doc["recipe"] == "tiny-llama" and doc["device"] == "cpu" and doc["settings"]["batches"] == [1, 2]
-    assert len(doc["trace"]) == 2 and list(doc["columns"]) == ["eager", "graphs"]
+    assert len(doc["trace"]) == 2 and list(doc["columns"]) == ["eager", "graphs", "graphs (generate loop)"]
+    assert len(doc["columns"]["graphs"]["request_s"]) == 2
     for name, col in doc["columns"].items():
         assert col["tokens_per_s"] > 0 and col["first_request_s"] > 0 and col["top1"] == 1.0, name
     graphs_col = doc["columns"]["graphs"]
     assert graphs_col["max_err_over_scale"] < 1e-4 and graphs_col["serving"]["graphs"]["replays"] > 0
     assert graphs_col["serving"]["served_requests"] > 0 and not graphs_col["serving"]["eager_requests"]
+    assert graphs_col["serving"]["decode_loop"]["requests"] > 0  # the plain greedy trace took the decode loop
     cold = graphs_col["cold_process"]
     assert cold["served"] and cold["since_activate_s"] >= cold["first_request_s"] > 0, cold
     saved = json.loads((isolated_dirs / ".forgepack" / "tiny_llama" / "serve_bench.json").read_text())
@@ -569,7 +571,7 @@ def test_forgepack_bench_serve_runs_the_serving_benchmark_through_the_cli(isolat
     table = runner.invoke(app, [*args, "--no-cold"], env={"COLUMNS": "250"})
     assert table.exit_code == 0, table.output
     rows = [line for line in table.stdout.splitlines() if line.startswith(("│ eager", "│ graphs"))]
-    assert len(rows) == 2 and "emulated backend" in table.output, table.output
+    assert len(rows) == 3 and "emulated backend" in table.output, table.output
 
 
 @pytest.mark.parametrize(("argv", "words"), [
