@@ -21,7 +21,7 @@ kinds where the chain sits between child modules: "gated_mlp" (`down(act(gate(x)
 re-states the original's code; the build checks it against the original, bit for bit, and the digest
 guard makes sure the source it was checked against is the one running.
 
-This file imports only torch and the standard library.
+This file imports only torch, the standard library and the pack runtime beside it.
 """
 
 from __future__ import annotations
@@ -37,6 +37,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from .stockcall import flatten_outputs
 
 SPEC_FILE = "modules.json"
 _MISSING = object()
@@ -375,7 +377,7 @@ class ModulePatches:
                     return tuple(out) if form.tuple_result else out[0]
                 result = original(*args, **kwargs)
                 if patches.observe is not None:
-                    patches.observe(site, tensors, _flat(result))
+                    patches.observe(site, tensors, flatten_outputs(result))
                 return result
             return original(*args, **kwargs)
 
@@ -409,7 +411,7 @@ class ModulePatches:
                         return tuple(out) if form.tuple_result else out[0]
                     result = original(module, *args, **kwargs)
                     if patches.observe is not None:
-                        patches.observe(site, tensors, _flat(result))
+                        patches.observe(site, tensors, flatten_outputs(result))
                     return result
             return original(module, *args, **kwargs)
 
@@ -424,14 +426,6 @@ class ModulePatches:
         compiling) and `missed` (no verified variant matched the inputs, or the kernel refused)."""
         return {s.index: dict(zip(("calls", "hits", "declined", "missed"), self.counters.rows[s.index], strict=True))
                 for s in self.sites}
-
-
-def _flat(result: Any) -> list[torch.Tensor]:
-    if isinstance(result, torch.Tensor):
-        return [result]
-    if isinstance(result, list | tuple):
-        return [t for r in result for t in _flat(r)]
-    return []
 
 
 def _matching(module: Any, checks: list) -> Site | None:
