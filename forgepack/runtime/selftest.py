@@ -1,11 +1,12 @@
 """Re-verify every kernel of this pack on this machine, against stock PyTorch.
 
-For each variant: fresh random inputs drawn from the manifest's recorded metadata (exact dtypes,
-sizes, strides and storage offsets; values with the captured mean, spread and sign), plus one input
-with inf, -inf and NaN planted; the stock op runs with the pack deactivated (strict fp32: no TF32),
-then the same call with the pack active must hit the variant's kernel and match under the manifest's
-tolerance (the one table forgepack verified with): |out - ref| <= atol + rtol * |ref|, NaN and
-infinities in the same places, integers and bools exact, and the same output layout.
+For each variant: fresh random inputs drawn from the manifest's recorded metadata (`fresh.draw`, as
+the build's verifier draws them: exact dtypes, sizes, strides and storage offsets; values with the
+captured mean, spread and sign), plus one input with inf, -inf and NaN planted; the stock op runs
+with the pack deactivated (strict fp32: no TF32), then the same call with the pack active must hit
+the variant's kernel and match under the manifest's tolerance (the one table forgepack verified
+with): |out - ref| <= atol + rtol * |ref|, NaN and infinities in the same places, integers and
+bools exact, and the same output layout.
 Imports only torch and the standard library.
 """
 
@@ -16,41 +17,10 @@ import sys
 import torch
 
 from . import stockcall
-from .packinfo import OutputTolerance, TensorRecord, VariantInfo
+from .fresh import draw
+from .packinfo import OutputTolerance, VariantInfo
 
 FRESH_INPUTS = 3
-_FLOAT = ("float32", "float16", "bfloat16", "float64")
-
-
-def _span(meta: TensorRecord) -> int:
-    if any(n == 0 for n in meta.shape):
-        return 0
-    return 1 + sum((n - 1) * abs(s) for n, s in zip(meta.shape, meta.stride, strict=True))
-
-
-def draw(meta: TensorRecord, gen: torch.Generator, device: torch.device, edge: bool = False) -> torch.Tensor:
-    """A tensor in the recorded layout (same storage offset, so the same pointer alignment)."""
-    n, offset = _span(meta), meta.storage_offset
-    stats = meta.stats
-    dtype = getattr(torch, meta.dtype)
-    if meta.dtype == "bool":
-        values = torch.rand(n, generator=gen) < 0.5
-    elif meta.dtype in _FLOAT:
-        std = stats.get("std", 1.0) or max(abs(stats.get("mean", 0.0)), 1.0)
-        values = torch.randn(n, generator=gen, dtype=torch.float64) * std + stats.get("mean", 0.0)
-        if stats.get("min", -1.0) >= 0:
-            values = values.abs()
-        if edge and n >= 8:
-            idx = torch.randint(0, n, (3,), generator=gen).tolist()
-            for i, special in zip(idx, (float("inf"), float("-inf"), float("nan")), strict=True):
-                values[i] = special
-    else:
-        lo, hi = int(stats.get("min", -1)), int(stats.get("max", 1))
-        values = torch.randint(lo, hi + 1, (n,), generator=gen, dtype=torch.int64)
-    storage = torch.empty(offset + n, dtype=dtype, device=device)
-    if n:
-        storage[offset:].copy_(values.to(dtype))
-    return torch.as_strided(storage, meta.shape, meta.stride, offset)
 
 
 def inputs(variant: VariantInfo, seed: int, device: torch.device, edge: bool) -> list[torch.Tensor | None]:
