@@ -32,6 +32,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 from forgepack import samples as samples_mod
 from forgepack.cards import Arg, Card
 from forgepack.opcall import bind, encode_value, is_tensor_list, op_key
+from forgepack.runtime.fresh import span
 from forgepack.runtime.stockcall import flatten_outputs
 
 MAX_MODULE_PATHS = 6
@@ -201,13 +202,13 @@ class _Recorder(TorchDispatchMode):
         kept = 0 if variant is None else len(variant.sample_sets)
         if not self.keep_samples or kept >= samples_mod.MAX_SAMPLES_PER_CARD:
             return False
-        size = sum(samples_mod._span(t.shape, t.stride()) * t.element_size() for t in tensors if t is not None)
+        size = sum(span(tuple(t.shape), t.stride()) * t.element_size() for t in tensors if t is not None)
         room = samples_mod.MAX_BYTES_PER_WORKSPACE - self.sample_bytes
         return size <= samples_mod.MAX_BYTES_PER_CARD and size <= room
 
     def _keep(self, variant: _Variant, tensors: list, inputs: list, outputs: list) -> None:
         size = sum(t.numel() * t.element_size() for t in inputs if t is not None)
-        size += sum(samples_mod._span(o.shape, o.stride()) * o.element_size() for o in outputs)
+        size += sum(span(tuple(o.shape), o.stride()) * o.element_size() for o in outputs)
         if size > samples_mod.MAX_BYTES_PER_CARD or self.sample_bytes + size > samples_mod.MAX_BYTES_PER_WORKSPACE:
             return
         self.sample_bytes += size

@@ -10,7 +10,9 @@ Argument encoding (schema order, one `Arg` per schema argument):
   is stored as its name ("bfloat16"), a device as its type ("cuda"), other enums as their str()
 
 Fusion cards (module-level chains) use the same schema with `kind="fusion"`; their `op` names the
-pattern and `chain` holds the aten calls they replace (see `forgepack.fusion`).
+pattern, `chain` holds the aten calls they replace (`ChainEntry`, `ChainArg`) and `fusion` what the
+kernel stands for (`Fusion`, `FusionSite`; see `forgepack.fusion`). Their JSON is the dict form the
+chain's digest was taken over, so cards written before these were typed load unchanged.
 """
 
 from __future__ import annotations
@@ -209,6 +211,105 @@ class Family:
         return (self.dims, self.inputs, self.outputs)
 
 
+Ref = tuple  # a chain's tensor: ("in", i) the card's tensor input i, ("t", p, k) output k of chain entry p
+
+
+@dataclass(frozen=True)
+class ChainArg:
+    """One schema argument of a chain entry: "tensor" (`ref`), "tensors" (`refs`), "none" (an optional
+    tensor passed None) or "value" (`value`, encoded as a card's values are)."""
+
+    name: str
+    kind: str
+    ref: Ref = ()
+    refs: tuple[Ref, ...] = ()
+    value: Any = None
+
+    def to_json(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"name": self.name, "kind": self.kind}
+        if self.kind == "tensor":
+            d["ref"] = list(self.ref)
+        elif self.kind == "tensors":
+            d["refs"] = [list(r) for r in self.refs]
+        elif self.kind == "value":
+            d["value"] = self.value
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> ChainArg:
+        return cls(d["name"], d["kind"], tuple(d.get("ref", ())), tuple(tuple(r) for r in d.get("refs", ())),
+                   d.get("value"))
+
+
+@dataclass(frozen=True)
+class ChainEntry:
+    """One aten call of a fusion card's chain: the op, its arguments in schema order, and its outputs'
+    layouts (which match the entry to the operator cards of the same call, `output_key`)."""
+
+    op: str
+    args: tuple[ChainArg, ...] = ()
+    outs: tuple[TensorMeta, ...] = ()
+
+    def arg(self, name: str) -> ChainArg | None:
+        return next((a for a in self.args if a.name == name), None)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"op": self.op, "args": [a.to_json() for a in self.args], "outs": [_layout_json(m) for m in self.outs]}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> ChainEntry:
+        return cls(d["op"], tuple(ChainArg.from_json(a) for a in d.get("args", ())),
+                   tuple(_meta(m) for m in d.get("outs", ())))
+
+
+def _layout_json(m: TensorMeta) -> dict[str, Any]:
+    """A chain output as the card's JSON holds it: the layout, no value statistics."""
+    return {"dtype": m.dtype, "shape": list(m.shape), "stride": list(m.stride), "storage_offset": m.storage_offset,
+            "device": m.device}
+
+
+@dataclass(frozen=True)
+class FusionSite:
+    """Where a fusion card's chain runs, as the pack's module patches guard it (a
+    `forgepack.runtime.modules.Site` without its number): kind ("module", "function" or a glue kind),
+    target ("package.module:Class" or ":function"), the source digest, config facts and call form."""
+
+    kind: str
+    target: str
+    digest: str
+    facts: dict[str, Any] = dataclasses.field(default_factory=dict)
+    form: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": self.kind, "target": self.target, "digest": self.digest, "facts": self.facts,
+                "form": self.form}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> FusionSite:
+        return cls(d["kind"], d["target"], d["digest"], dict(d.get("facts", {})), dict(d.get("form", {})))
+
+
+@dataclass(frozen=True)
+class Fusion:
+    """What a fusion card's kernel stands for: the chain's pattern, its launches, which chain values it
+    returns (`outputs`, refs), where it runs (`sites`) and the module class it came from."""
+
+    pattern: str
+    launches: int
+    outputs: tuple[Ref, ...]
+    sites: tuple[FusionSite, ...] = ()
+    module_class: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"pattern": self.pattern, "launches": self.launches, "outputs": [list(r) for r in self.outputs],
+                "sites": [s.to_json() for s in self.sites], "module_class": self.module_class}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> Fusion:
+        return cls(d["pattern"], d.get("launches", 0), tuple(tuple(r) for r in d.get("outputs", ())),
+                   tuple(FusionSite.from_json(x) for x in d.get("sites", ())), d.get("module_class", ""))
+
+
 @dataclass(frozen=True)
 class Card:
     op: str  # overload, e.g. "aten::_softmax" + "." + "default" -> "aten._softmax.default"
@@ -220,8 +321,8 @@ class Card:
     modules: tuple[str, ...] = ()  # module paths that issued this call, most frequent first
     samples: int = 0  # sample input sets kept in the workspace for this card
     profile: Profile | None = None
-    chain: tuple[dict, ...] = ()  # fusion cards: the aten calls the fusion replaces
-    fusion: dict | None = None  # fusion cards: pattern, module class, config facts
+    chain: tuple[ChainEntry, ...] = ()  # fusion cards: the aten calls the fusion replaces
+    fusion: Fusion | None = None  # fusion cards: pattern, outputs, patch sites
     family: Family | None = None  # a shape family: `args`/`outputs` are one member (`forgepack.families`)
 
     @property
@@ -304,14 +405,14 @@ def _short_value(value: Any) -> str:
     return str(value)
 
 
-def output_key(op: str, outs: Iterable[dict[str, Any]]) -> tuple:
+def output_key(op: str, outs: Iterable[TensorMeta]) -> tuple:
     """What identifies an operator call across a fusion chain and the operator cards: op and outputs'
-    layouts (`outs`: dicts with dtype, shape, stride, as chain entries record them)."""
-    return op, tuple((o["dtype"], tuple(o["shape"]), tuple(o["stride"])) for o in outs)
+    layouts (dtype, shape, stride)."""
+    return op, tuple((o.dtype, tuple(o.shape), tuple(o.stride)) for o in outs)
 
 
 def card_output_key(card: Card) -> tuple:
-    return output_key(card.op, ({"dtype": m.dtype, "shape": m.shape, "stride": m.stride} for m in card.outputs))
+    return output_key(card.op, card.outputs)
 
 
 def by_output(cards: Iterable[Card]) -> dict[tuple, list[Card]]:
@@ -345,29 +446,33 @@ def variant_id(op: str, args: tuple[Arg, ...]) -> str:
 def to_json(card: Card) -> dict[str, Any]:
     data = dataclasses.asdict(card)
     data["id"] = card.id
+    # the chain's JSON is the one its digest (in `args`) was taken over, and what older workspaces hold
+    data["chain"] = [e.to_json() for e in card.chain]
+    data["fusion"] = None if card.fusion is None else card.fusion.to_json()
     return data
 
 
-def from_json(data: dict[str, Any]) -> Card:
-    def meta(d: dict | None) -> TensorMeta | None:
-        if d is None:
-            return None
-        stats = ValueStats(**d["stats"]) if d.get("stats") else None
-        return TensorMeta(
-            dtype=d["dtype"],
-            shape=tuple(d["shape"]),
-            stride=tuple(d["stride"]),
-            storage_offset=d.get("storage_offset", 0),
-            device=d.get("device", "cpu"),
-            stats=stats,
-        )
+def _meta(d: dict | None) -> TensorMeta | None:
+    if d is None:
+        return None
+    stats = ValueStats(**d["stats"]) if d.get("stats") else None
+    return TensorMeta(
+        dtype=d["dtype"],
+        shape=tuple(d["shape"]),
+        stride=tuple(d["stride"]),
+        storage_offset=d.get("storage_offset", 0),
+        device=d.get("device", "cpu"),
+        stats=stats,
+    )
 
+
+def from_json(data: dict[str, Any]) -> Card:
     def arg(d: dict) -> Arg:
         return Arg(
             name=d["name"],
             kind=d["kind"],
-            tensor=meta(d.get("tensor")),
-            tensors=tuple(meta(t) for t in d.get("tensors", ())),
+            tensor=_meta(d.get("tensor")),
+            tensors=tuple(_meta(t) for t in d.get("tensors", ())),
             value=d.get("value"),
         )
 
@@ -377,14 +482,14 @@ def from_json(data: dict[str, Any]) -> Card:
         op=data["op"],
         schema=data["schema"],
         args=tuple(arg(a) for a in data["args"]),
-        outputs=tuple(meta(o) for o in data["outputs"]),
+        outputs=tuple(_meta(o) for o in data["outputs"]),
         kind=data.get("kind", "op"),
         calls=data.get("calls", 0),
         modules=tuple(data.get("modules", ())),
         samples=data.get("samples", 0),
         profile=profile,
-        chain=tuple(data.get("chain", ())),
-        fusion=data.get("fusion"),
+        chain=tuple(ChainEntry.from_json(e) for e in data.get("chain") or ()),
+        fusion=Fusion.from_json(data["fusion"]) if data.get("fusion") else None,
         family=_family(data.get("family")),
     )
     if "id" in data and data["id"] != card.id:

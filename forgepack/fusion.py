@@ -10,10 +10,11 @@ like an operator card (same `Card` schema, `kind="fusion"`):
 - `args`: the chain's external tensor inputs (the call's tensor arguments, then parameters or child
   outputs) as tensor Args, in kernel input order, then `chain`, a digest of the chain (two chains of the
   same shapes that compute different things are different cards);
-- `outputs`: what the chain returns; `chain`: the aten calls it replaces, each with its arguments,
-  tensor arguments as refs (``["in", i]``: input i; ``["t", p, k]``: output k of chain entry p) and the
-  metadata of its outputs; `fusion`: pattern, launch count, output refs, and the patch sites (for
-  `forgepack.runtime.modules`: class or function, source digest, config facts, call form).
+- `outputs`: what the chain returns; `chain`: the aten calls it replaces (`cards.ChainEntry`), each
+  with its arguments, tensor arguments as refs (``("in", i)``: input i; ``("t", p, k)``: output k of
+  chain entry p) and the metadata of its outputs; `fusion` (`cards.Fusion`): pattern, launch count,
+  output refs, and the patch sites (`cards.FusionSite`, for `forgepack.runtime.modules`: class or
+  function, source digest, config facts, call form).
 
 Where chains come from (`find`): capture's per-call dataflow log (`forgepack.capture`) and its module
 call records. A *module* site is a leaf module whose whole forward is the chain (RMSNorm, GELU
@@ -48,7 +49,18 @@ import torch
 from forgepack import devices, opcall, roofline, timing
 from forgepack import samples as samples_mod
 from forgepack.capture import Capture, ModuleCall, fold_path
-from forgepack.cards import Arg, Card, Profile, TensorMeta, by_output, output_key
+from forgepack.cards import (
+    Arg,
+    Card,
+    ChainArg,
+    ChainEntry,
+    Fusion,
+    FusionSite,
+    Profile,
+    TensorMeta,
+    by_output,
+    output_key,
+)
 from forgepack.runtime import modules as rt
 from forgepack.runtime import opclasses, stockcall
 
@@ -94,9 +106,9 @@ def _refusal(op: str) -> str | None:
     return None
 
 
-def launches(chain: tuple[dict, ...] | list[dict]) -> int:
-    """Chain entries that launch a kernel (not views, not bare allocations)."""
-    return sum(1 for e in chain if not _is_view(e["op"]) and f"aten::{_base(e['op'])}" not in opclasses.NO_KERNEL_OPS)
+def launches(ops: list[str]) -> int:
+    """Of these chain ops, those that launch a kernel (not views, not bare allocations)."""
+    return sum(1 for op in ops if not _is_view(op) and f"aten::{_base(op)}" not in opclasses.NO_KERNEL_OPS)
 
 
 # --- candidates ----------------------------------------------------------------------------------------
@@ -110,7 +122,7 @@ class Candidate:
     inputs: tuple[tuple, ...]  # global refs of the kernel inputs, in order
     input_metas: tuple[TensorMeta, ...]
     outputs: tuple[tuple, ...]  # global refs of the chain's outputs
-    site: dict  # kind, target, digest, facts, form (see modules.Site)
+    site: FusionSite
     path: str  # module path (folded) or function path
 
 
@@ -167,7 +179,7 @@ def _chain_problem(log: _Log, calls: list[int]) -> str | None:
         reason = _refusal(log.cap.calls[i].op)
         if reason:
             return reason
-    if launches([{"op": log.cap.calls[i].op} for i in calls]) < MIN_LAUNCHES:
+    if launches([log.cap.calls[i].op for i in calls]) < MIN_LAUNCHES:
         return f"fewer than {MIN_LAUNCHES} launches"
     return None
 
@@ -307,13 +319,11 @@ def _whole_call(log: _Log, k: int, mc: ModuleCall) -> Candidate | str:
     metas = [m if m is not None else log.meta_of(r) for r, m in zip(refs, metas, strict=True)]
     if mc.kind == "module":
         cls = type(mc.module)
-        site = {"kind": "module", "target": rt.qualname(cls), "digest": rt.source_digest(cls.forward),
-                "facts": rt.simple_facts(mc.module), "form": form}
+        site = FusionSite("module", rt.qualname(cls), rt.source_digest(cls.forward), rt.simple_facts(mc.module), form)
     else:
         owner, _, name = mc.path.removeprefix("fn:").rpartition(".")
-        site = {"kind": "function", "target": f"{owner}:{name}", "digest": rt.source_digest(mc.module),
-                "facts": {}, "form": form}
-    if site["digest"] is None:
+        site = FusionSite("function", f"{owner}:{name}", rt.source_digest(mc.module), {}, form)
+    if site.digest is None:
         return "its source is not available (the guard could not tell a changed forward)"
     return Candidate(tuple(calls), tuple(refs), tuple(metas), tuple(outputs), site,
                      fold_path(mc.path) if mc.kind == "module" else mc.path)
@@ -382,9 +392,8 @@ def _glue(log: _Log, k: int, mc: ModuleCall, kind: str) -> Candidate | str:
     if problem:
         return problem
     cls = type(module)
-    site = {"kind": kind, "target": rt.qualname(cls), "digest": rt.source_digest(cls.forward),
-            "facts": rt.glue_facts(kind, module), "form": {}}
-    if site["digest"] is None:
+    site = FusionSite(kind, rt.qualname(cls), rt.source_digest(cls.forward), rt.glue_facts(kind, module), {})
+    if site.digest is None:
         return "its source is not available"
     metas = tuple(log.meta_of(r) for r in sources)
     return Candidate(tuple(calls), tuple(sources), metas, tuple(outputs), site, fold_path(mc.path))
@@ -421,25 +430,20 @@ def find(cap: Capture) -> tuple[list[Candidate], list[Skipped]]:
 # --- cards ---------------------------------------------------------------------------------------------
 
 
-def _meta_dict(m: TensorMeta) -> dict[str, Any]:
-    return {"dtype": m.dtype, "shape": list(m.shape), "stride": list(m.stride), "storage_offset": m.storage_offset,
-            "device": m.device}
-
-
 def _value(v: Any) -> Any:
     return [_value(x) for x in v] if isinstance(v, list | tuple) else v
 
 
-def chain_entries(cap: Capture, cand: Candidate) -> list[dict]:
+def chain_entries(cap: Capture, cand: Candidate) -> list[ChainEntry]:
     """The chain in card form: tensor arguments as refs to inputs or to earlier entries."""
     local = {i: p for p, i in enumerate(cand.calls)}
     inputs = {ref: i for i, ref in enumerate(cand.inputs)}
 
-    def ref_of(r) -> list:
+    def ref_of(r) -> tuple:
         r = tuple(r)
         if r[0] == "call" and r[1] in local:
-            return ["t", local[r[1]], r[2]]
-        return ["in", inputs[r]]
+            return ("t", local[r[1]], r[2])
+        return ("in", inputs[r])
 
     entries = []
     for i in cand.calls:
@@ -448,21 +452,22 @@ def chain_entries(cap: Capture, cand: Candidate) -> list[dict]:
         args = []
         for a in rec.args:
             if a.kind == "tensor":
-                args.append({"name": a.name, "kind": "tensor", "ref": ref_of(next(refs))})
+                args.append(ChainArg(a.name, "tensor", ref=ref_of(next(refs))))
             elif a.kind == "tensors":
-                args.append({"name": a.name, "kind": "tensors", "refs": [ref_of(next(refs)) for _ in a.tensors]})
+                args.append(ChainArg(a.name, "tensors", refs=tuple(ref_of(next(refs)) for _ in a.tensors)))
             elif a.kind == "none":
                 next(refs)
-                args.append({"name": a.name, "kind": "none"})
+                args.append(ChainArg(a.name, "none"))
             else:
-                args.append({"name": a.name, "kind": "value", "value": _value(a.value)})
-        entries.append({"op": rec.op, "args": args, "outs": [_meta_dict(m) for m in rec.outputs]})
+                args.append(ChainArg(a.name, "value", value=_value(a.value)))
+        outs = tuple(dataclasses.replace(m, stats=None) for m in rec.outputs)  # layouts: what the JSON keeps
+        entries.append(ChainEntry(rec.op, tuple(args), outs))
     return entries
 
 
-def pattern(chain: list[dict], kind: str) -> str:
+def pattern(chain: list[ChainEntry], kind: str) -> str:
     """A name for what the chain computes (for people and for the templates' first look)."""
-    ops = Counter(_base(e["op"]) for e in chain)
+    ops = Counter(_base(e.op) for e in chain)
     if kind == "gated_mlp":
         return "gated_act"
     if kind == "residual_act":
@@ -483,25 +488,26 @@ def pattern(chain: list[dict], kind: str) -> str:
     return "chain"
 
 
-def _arg_names(site: dict, n: int) -> list[str]:
-    if site["kind"] in rt.GLUE_INPUTS:
-        return [s.replace(".", "_") for s in rt.GLUE_INPUTS[site["kind"]]]
+def _arg_names(site: FusionSite, n: int) -> list[str]:
+    if site.kind in rt.GLUE_INPUTS:
+        return [s.replace(".", "_") for s in rt.GLUE_INPUTS[site.kind]]
     names = []
-    for src, key in site["form"]["inputs"]:
+    for src, key in site.form["inputs"]:
         names.append(f"arg{key}" if src == "arg" else str(key).replace(".", "_"))
     return names[:n]
 
 
-def chain_digest(chain: list[dict], outputs: list[list]) -> str:
-    text = json.dumps({"chain": chain, "outputs": outputs}, sort_keys=True)
+def chain_digest(chain: list[ChainEntry], outputs: list[tuple]) -> str:
+    """Over the chain's JSON (`ChainEntry.to_json`): a card's id does not change with how it is held."""
+    text = json.dumps({"chain": [e.to_json() for e in chain], "outputs": [list(r) for r in outputs]}, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
 def make_card(cap: Capture, cand: Candidate) -> Card:
     chain = chain_entries(cap, cand)
     local = {i: p for p, i in enumerate(cand.calls)}
-    outputs = [["t", local[r[1]], r[2]] for r in cand.outputs]
-    name = pattern(chain, cand.site["kind"])
+    outputs = [("t", local[r[1]], r[2]) for r in cand.outputs]
+    name = pattern(chain, cand.site.kind)
     names = _arg_names(cand.site, len(cand.input_metas))
     digest = chain_digest(chain, outputs)
     args = tuple(Arg(n, "tensor", tensor=m) for n, m in zip(names, cand.input_metas, strict=True))
@@ -509,8 +515,7 @@ def make_card(cap: Capture, cand: Candidate) -> Card:
     out_metas = tuple(cap.calls[r[1]].outputs[r[2]] for r in cand.outputs)
     rets = "Tensor" if len(out_metas) == 1 else "(" + ", ".join("Tensor" for _ in out_metas) + ")"
     schema = f"fusion::{name}({', '.join(f'Tensor {n}' for n in names)}, str chain) -> {rets}"
-    fusion = {"pattern": name, "launches": launches(chain), "outputs": outputs, "sites": [cand.site],
-              "module_class": cand.site["target"]}
+    fusion = Fusion(name, launches([e.op for e in chain]), tuple(outputs), (cand.site,), cand.site.target)
     return Card(op=f"fusion.{name}.default", schema=schema, args=args, outputs=out_metas, kind="fusion", calls=1,
                 modules=(cand.path,), chain=tuple(chain), fusion=fusion)
 
@@ -526,10 +531,11 @@ def group(cap: Capture, candidates: list[Candidate]) -> list[Card]:
             by_id[card.id] = card
             continue
         old = by_id[card.id]
-        sites = old.fusion["sites"]
+        sites = old.fusion.sites
         if cand.site not in sites and len(sites) < MAX_SITES_PER_CARD:
-            sites = [*sites, cand.site]
-        by_id[card.id] = dataclasses.replace(old, calls=old.calls + 1, fusion={**old.fusion, "sites": sites})
+            sites = (*sites, cand.site)
+        fused = dataclasses.replace(old.fusion, sites=sites)
+        by_id[card.id] = dataclasses.replace(old, calls=old.calls + 1, fusion=fused)
     return [dataclasses.replace(c, modules=tuple(p for p, _ in paths[c.id].most_common(6))) for c in by_id.values()]
 
 
@@ -539,17 +545,17 @@ def group(cap: Capture, candidates: list[Candidate]) -> list[Card]:
 def sites_of(cards: list[Card]) -> tuple[list[rt.Site], dict[int, list[Card]]]:
     """Runtime sites for these cards (identical sites merged), and the cards each site serves."""
     keyed: dict[str, int] = {}
-    sites: list[dict] = []
+    sites: list[FusionSite] = []
     served: dict[int, list[Card]] = {}
     for card in cards:
-        for s in card.fusion["sites"]:
-            key = json.dumps(s, sort_keys=True)
+        for s in card.fusion.sites:
+            key = json.dumps(s.to_json(), sort_keys=True)
             if key not in keyed:
                 keyed[key] = len(sites)
                 sites.append(s)
             served.setdefault(keyed[key], []).append(card)
-    out = [rt.Site(i, s["kind"], s["target"], s["digest"], s["facts"], s["form"],
-                   tuple(c.id for c in served[i])) for i, s in enumerate(sites)]
+    out = [rt.Site(i, s.kind, s.target, s.digest, s.facts, s.form, tuple(c.id for c in served[i]))
+           for i, s in enumerate(sites)]
     return out, served
 
 
@@ -620,7 +626,7 @@ def check_and_sample(model: torch.nn.Module, run: Callable[[], Any], cards: list
     # forward is off by far more than run-to-run noise).
     exact = _same_outputs(reference, again, 0.0)
     if not _same_outputs(reference, patched, 0.0 if exact else 1e-2):
-        glue = {c.id for c in cards if any(s["kind"] in rt.GLUE_INPUTS for s in c.fusion["sites"])}
+        glue = {c.id for c in cards if any(s.kind in rt.GLUE_INPUTS for s in c.fusion.sites)}
         bad.update({i: "the model's output changed with the patched forwards in place" for i in glue})
     out = []
     for card in cards:
@@ -685,9 +691,9 @@ def operator_us(card: Card, by_key: dict[tuple, list[Card]]) -> float | None:
     work has no profiled operator card."""
     total = 0.0
     for entry in card.chain:
-        matches = by_key.get(output_key(entry["op"], entry.get("outs", ())))
+        matches = by_key.get(output_key(entry.op, entry.outs))
         if not matches:
-            if _is_view(entry["op"]):
+            if _is_view(entry.op):
                 continue
             return None
         calls = sum(c.calls for c in matches) or 1

@@ -105,24 +105,24 @@ class ChainPlan:
     def __init__(self, card: Card, device: torch.device):
         self.steps = []
         for entry in card.chain:
-            func = stockcall.resolve(entry["op"])
+            func = stockcall.resolve(entry.op)
             positional, keyword = [], []
-            for schema_arg, a in zip(func._schema.arguments, entry["args"], strict=True):
-                if a["kind"] == "tensor":
+            for schema_arg, a in zip(func._schema.arguments, entry.args, strict=True):
+                if a.kind == "tensor":
                     written = schema_arg.alias_info is not None and schema_arg.alias_info.is_write
-                    item = ("ref", tuple(a["ref"]), written)
-                elif a["kind"] == "tensors":
-                    item = ("refs", tuple(tuple(r) for r in a["refs"]), False)
-                elif a["kind"] == "none":
+                    item = ("ref", a.ref, written)
+                elif a.kind == "tensors":
+                    item = ("refs", a.refs, False)
+                elif a.kind == "none":
                     item = ("const", None, False)
                 else:
-                    item = ("const", stockcall.decode_value(schema_arg, a["value"], device), False)
+                    item = ("const", stockcall.decode_value(schema_arg, a.value, device), False)
                 if schema_arg.kwarg_only:
                     keyword.append((schema_arg.name, item))
                 else:
                     positional.append(item)
             self.steps.append((func, tuple(positional), tuple(keyword)))
-        self.outputs = tuple(tuple(r) for r in card.fusion["outputs"])
+        self.outputs = card.fusion.outputs
 
     def __call__(self, tensors: list[torch.Tensor | None]) -> list[torch.Tensor]:
         values: list[list[torch.Tensor]] = []

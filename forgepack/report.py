@@ -548,8 +548,8 @@ def section_profile(data: ReportData, figure: type | None) -> Html:
         parts.append(tag("p", "One kernel for a module's chain of the operator calls above. A chain's share is "
                               "of the same operator time, spent in the calls it replaces: it overlaps the "
                               "operators' shares and is not added to them.", cls="note"))
-        chain_rows = [(c.op_name, str((c.fusion or {}).get("module_class", "")), num(str(c.calls)),
-                       " ".join(str(e.get("op", "?")).removeprefix("aten.") for e in c.chain),
+        chain_rows = [(c.op_name, c.fusion.module_class if c.fusion else "", num(str(c.calls)),
+                       " ".join(e.op.removeprefix("aten.") for e in c.chain),
                        num(_us(c.profile.eager_us)), num(_pct(c.profile.share)), c.id) for c in chains]
         parts.append(table(("chain", "module", "calls", "replaces", "µs/call", "share %", "card"), chain_rows))
     return join(parts)

@@ -2,18 +2,23 @@
 
 A card fixes each input's dtype, shape, stride and storage offset. `materialize` builds a tensor with
 exactly that layout (a storage with the same offset in front, so pointer alignment matches too).
+Laying out and drawing are the pack runtime's (`forgepack.runtime.fresh`), which the pack's self-test
+draws with too: a card's `TensorMeta` is read as the manifest's `TensorRecord` to get there.
 Samples are kept as the storage window each view touches, in one safetensors file per card:
 ``s{k}.in{i}`` for input i of sample k and ``s{k}.out{j}`` for the eager output j.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
 import torch
 
 from forgepack.cards import FLOAT_DTYPES, Card, TensorMeta, ValueStats
+from forgepack.runtime import fresh
+from forgepack.runtime.packinfo import TensorRecord
 
 MAX_SAMPLES_PER_CARD = 2
 MAX_BYTES_PER_CARD = 48 << 20
@@ -59,58 +64,33 @@ def value_stats(t: torch.Tensor) -> ValueStats | None:
 
 def window(t: torch.Tensor) -> torch.Tensor:
     """The 1-D storage window a view touches (contiguous copy), from its first element."""
-    span = _span(t.shape, t.stride())
+    span = fresh.span(tuple(t.shape), t.stride())
     return torch.as_strided(t, (span,), (1,), t.storage_offset()).clone()
 
 
-def _span(shape, stride) -> int:
-    if any(n == 0 for n in shape):
-        return 0
-    return 1 + sum((n - 1) * abs(s) for n, s in zip(shape, stride, strict=True))
+def record(meta: TensorMeta) -> TensorRecord:
+    """A card's tensor as the pack's manifest records it (what the runtime lays out and draws from)."""
+    return TensorRecord.from_dict(dataclasses.asdict(meta))
 
 
 def materialize(meta: TensorMeta, values: torch.Tensor, device: str | torch.device) -> torch.Tensor:
     """A tensor with meta's exact layout whose storage window holds `values` (1-D, meta.span() long)."""
-    dtype = torch_dtype(meta.dtype)
-    storage = torch.empty(meta.storage_offset + meta.span(), dtype=dtype, device=device)
-    if meta.span():
-        storage[meta.storage_offset :].copy_(values.reshape(-1).to(dtype))
-    return torch.as_strided(storage, meta.shape, meta.stride, meta.storage_offset)
+    return fresh.materialize(record(meta), values, device)
 
 
 def draw(meta: TensorMeta, gen: torch.Generator, device: str | torch.device) -> torch.Tensor:
     """Fresh values like the captured ones (same range and spread), in meta's exact layout."""
-    n = meta.span()
-    stats = meta.stats or ValueStats()
-    if meta.dtype == "bool":
-        values = torch.rand(n, generator=gen) < 0.5
-    elif meta.dtype in FLOAT_DTYPES:
-        std = stats.std if stats.std > 0 else max(abs(stats.mean), 1.0)
-        values = torch.randn(n, generator=gen, dtype=torch.float64) * std + stats.mean
-        if stats.min >= 0:  # e.g. variances, probabilities, rsqrt inputs: keep the sign
-            values = values.abs()
-    else:
-        lo, hi = int(stats.min), int(stats.max)
-        values = torch.randint(lo, hi + 1, (n,), generator=gen, dtype=torch.int64)
-    return materialize(meta, values, device)
+    return fresh.draw(record(meta), gen, device)
 
 
 def draw_edge(meta: TensorMeta, gen: torch.Generator, device: str | torch.device) -> torch.Tensor:
     """Like `draw`, with a few inf, -inf and NaN planted in float inputs: their positions must match."""
-    t = draw(meta, gen, device)
-    if meta.dtype not in FLOAT_DTYPES or meta.span() < 8:
-        return t
-    flat = torch.as_strided(t, (meta.span(),), (1,), meta.storage_offset)
-    idx = torch.randint(0, meta.span(), (3,), generator=gen)
-    for i, value in zip(idx.tolist(), (float("inf"), float("-inf"), float("nan")), strict=True):
-        flat[i] = value
-    return t
+    return fresh.draw(record(meta), gen, device, edge=True)
 
 
 def fresh_inputs(card: Card, seed: int, device: str | torch.device, edge: bool = False) -> list:
     gen = torch.Generator().manual_seed(seed)
-    make = draw_edge if edge else draw
-    return [None if m is None else make(m, gen, device) for m in card.tensor_inputs()]
+    return [None if m is None else fresh.draw(record(m), gen, device, edge) for m in card.tensor_inputs()]
 
 
 # --- adversarial value sets --------------------------------------------------------------------------

@@ -56,7 +56,9 @@ from forgepack import opcall, timing
 from forgepack import samples as samples_mod
 from forgepack.cards import DTYPE_CODES, FLOAT_DTYPES, Card, TensorMeta
 from forgepack.outcomes import Failure, Timed, Verified
+from forgepack.runtime import compare as judge
 from forgepack.runtime import tolerances
+from forgepack.runtime.tolerances import is_statistic
 
 ABI_VERSION = 1
 MAX_DIMS = 8
@@ -371,33 +373,9 @@ def _scalar(t: torch.Tensor) -> float | int | bool | str:
     return v
 
 
-# Outputs that are statistics of a normalisation (op -> output indices): mean and rstd/invstd. Over a
-# row holding inf or NaN such a statistic is NaN or +-inf depending on the algorithm (Welford gives
-# inf - inf = NaN where a two-pass sum gives inf), and the row's normalised output is NaN either way.
-# There, the only promise is "not finite where stock is not finite" (see `compare`'s `stats`).
-STATISTICS_OUTPUTS = {
-    "aten.native_layer_norm.default": (1, 2),
-    "aten.native_group_norm.default": (1, 2),
-    "aten.native_batch_norm.default": (1, 2),
-    "aten._native_batch_norm_legit_no_training.default": (1, 2),
-    "aten.cudnn_batch_norm.default": (1, 2),
-}
-
-
-def is_statistic(op: str, output: int) -> bool:
-    return output in STATISTICS_OUTPUTS.get(op, ())
-
-
 def _input_scale(s: InputSet) -> float:
     """The largest finite |value| among a set's float inputs (0 without any)."""
-    scale = 0.0
-    for g in s.inputs:
-        if g is not None and g.view.is_floating_point() and g.view.numel():
-            v = g.view.detach().abs().to(torch.float64)
-            v = v[torch.isfinite(v)]
-            if v.numel():
-                scale = max(scale, float(v.max()))
-    return scale
+    return judge.input_scale(g.view for g in s.inputs if g is not None)
 
 
 def compare(out: torch.Tensor, ref: torch.Tensor, dtype: str, stats: bool = False,
@@ -413,18 +391,7 @@ def compare(out: torch.Tensor, ref: torch.Tensor, dtype: str, stats: bool = Fals
     if out.numel() == 0:
         return None
     tol = tolerances.tolerance(dtype)
-    if tol is None:
-        a = out.contiguous().view(_BITS_DTYPE[out.element_size()]) if dtype == "bool" else out
-        b = ref.contiguous().view(_BITS_DTYPE[ref.element_size()]) if dtype == "bool" else ref.to(out.dtype)
-        bad = a != b
-    else:
-        o, r = out.to(torch.float64), ref.to(torch.float64)
-        finite = r[torch.isfinite(r)].abs()
-        atol = tolerances.scaled_atol(tol, max(float(finite.max()) if finite.numel() else 0.0, input_scale))
-        close = (o - r).abs() <= atol + tol.rtol * r.abs()
-        same_class = ~torch.isfinite(o) & ~torch.isfinite(r) if stats else torch.isnan(o) & torch.isnan(r)
-        ok = (o == r) | same_class | (torch.isfinite(o) & torch.isfinite(r) & close)
-        bad = ~ok
+    bad, atol = judge.kernel_mismatches(out, ref, tol, input_scale, stats)
     count = int(bad.sum())
     if count == 0:
         return None
@@ -454,9 +421,7 @@ def compare(out: torch.Tensor, ref: torch.Tensor, dtype: str, stats: bool = Fals
 def _max_error(out: torch.Tensor, ref: torch.Tensor, dtype: str) -> float:
     if tolerances.tolerance(dtype) is None or out.numel() == 0:
         return 0.0
-    o, r = out.to(torch.float64), ref.to(torch.float64)
-    both = torch.isfinite(o) & torch.isfinite(r)
-    return float((o - r).abs()[both].max()) if bool(both.any()) else 0.0
+    return judge.max_abs_error(out, ref)
 
 
 # --- the harness ---------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from forgepack.cards import Arg, Card, Profile, TensorMeta
+from forgepack.cards import Arg, Card, ChainEntry, Profile, TensorMeta
 from forgepack.search import allocator
 from forgepack.search.allocator import CallResult, CardState, Config
 
@@ -218,9 +218,7 @@ def _op_card(op: str, out_shape, calls: int, share: float) -> Card:
 
 def _fusion_card(ops_and_shapes, calls: int, share: float) -> Card:
     x = _meta(ops_and_shapes[0][1])
-    chain = tuple({"op": op, "args": [], "outs": [{"dtype": "float32", "shape": list(shape),
-                                                   "stride": list(_meta(shape).stride)}]}
-                  for op, shape in ops_and_shapes)
+    chain = tuple(ChainEntry(op, outs=(_meta(shape),)) for op, shape in ops_and_shapes)
     return Card(op="fusion.rmsnorm.default", schema="", args=(Arg("x", "tensor", tensor=x),), outputs=(x,),
                 kind="fusion", calls=calls, chain=chain,
                 profile=Profile(eager_us=30.0, total_us=30.0 * calls, share=share, roofline_us=1.0, headroom=30.0,

@@ -40,7 +40,7 @@ class Found:
     checked: fusion.Checked
 
     def by_pattern(self, name: str) -> list:
-        return [c for c in self.checked.cards if c.fusion["pattern"] == name]
+        return [c for c in self.checked.cards if c.fusion.pattern == name]
 
 
 def _load(r: recipe.Recipe, dtype: str | None = None) -> models.LoadedModel:
@@ -92,21 +92,21 @@ def test_llama_chains_rmsnorm_rotary_gated_mlp(llama):
     layers = llama.lm.model.config.num_hidden_layers
     (norm,) = llama.by_pattern("rmsnorm")
     assert norm.calls == 2 * layers + 1  # input, post-attention, final
-    assert [e["op"].split(".")[1] for e in norm.chain] == ["_to_copy", "pow", "mean", "add", "rsqrt", "mul",
+    assert [e.op.split(".")[1] for e in norm.chain] == ["_to_copy", "pow", "mean", "add", "rsqrt", "mul",
                                                            "_to_copy", "mul"]
-    assert norm.fusion["launches"] == 8
-    site = norm.fusion["sites"][0]
-    assert site["kind"] == "module" and site["target"].endswith("modeling_llama:LlamaRMSNorm")
-    assert site["facts"]["variance_epsilon"] == llama.lm.model.config.rms_norm_eps
-    assert site["form"]["inputs"] == [["arg", 0], ["param", "weight"]]
+    assert norm.fusion.launches == 8
+    site = norm.fusion.sites[0]
+    assert site.kind == "module" and site.target.endswith("modeling_llama:LlamaRMSNorm")
+    assert site.facts["variance_epsilon"] == llama.lm.model.config.rms_norm_eps
+    assert site.form["inputs"] == [["arg", 0], ["param", "weight"]]
     (rot,) = llama.by_pattern("rotary")
     assert rot.calls == layers and len(rot.outputs) == 2 and len(rot.tensor_inputs()) == 4
-    assert rot.fusion["sites"][0]["kind"] == "function"
-    assert rot.fusion["sites"][0]["target"].endswith("modeling_llama:apply_rotary_pos_emb")
+    assert rot.fusion.sites[0].kind == "function"
+    assert rot.fusion.sites[0].target.endswith("modeling_llama:apply_rotary_pos_emb")
     (act,) = llama.by_pattern("gated_act")
     assert act.calls == layers
-    assert [e["op"].split(".")[1] for e in act.chain] == ["silu", "mul"]
-    assert act.fusion["sites"][0]["kind"] == "gated_mlp"
+    assert [e.op.split(".")[1] for e in act.chain] == ["silu", "mul"]
+    assert act.fusion.sites[0].kind == "gated_mlp"
     assert not llama.checked.dropped
 
 
@@ -115,12 +115,12 @@ def test_resnet_chains_bn_relu_and_add_relu(resnet):
     add = resnet.by_pattern("add_act")
     assert bn and add and not resnet.checked.dropped
     for c in bn:
-        ops = [e["op"].split(".")[1] for e in c.chain]
+        ops = [e.op.split(".")[1] for e in c.chain]
         assert "native_batch_norm" in ops and ops[-1] == "relu"
         assert [a.name for a in c.args][:5] == ["convolution", "normalization_weight", "normalization_bias",
                                                 "normalization_running_mean", "normalization_running_var"]
     for c in add:
-        assert [e["op"].split(".")[1] for e in c.chain] == ["add_", "relu"]
+        assert [e.op.split(".")[1] for e in c.chain] == ["add_", "relu"]
     assert sum(c.calls for c in add) == sum(resnet.lm.model.config.depths)
 
 
@@ -176,8 +176,8 @@ def test_a_channels_last_pack_warns_about_an_nchw_model(resnet_cl, resnet):
 def test_gpt2_gelu_chain(gpt2):
     (gelu,) = gpt2.by_pattern("gelu_tanh")
     assert gelu.calls == gpt2.lm.model.config.n_layer
-    assert gelu.fusion["launches"] == 8
-    assert gelu.fusion["sites"][0]["target"].endswith("activations:NewGELUActivation")
+    assert gelu.fusion.launches == 8
+    assert gelu.fusion.sites[0].target.endswith("activations:NewGELUActivation")
 
 
 def test_vendor_chains_and_visible_writes_are_not_fused():
@@ -267,9 +267,9 @@ def test_a_glue_forward_that_changes_the_model_is_caught(llama, monkeypatch):
         return out
 
     checked = fusion.check_and_sample(lm.model, run, llama.cards)
-    (act,) = [c for c in llama.cards if c.fusion["pattern"] == "gated_act"]
+    (act,) = [c for c in llama.cards if c.fusion.pattern == "gated_act"]
     assert "output changed" in checked.dropped[act.id]
-    assert {c.fusion["pattern"] for c in checked.cards} == {"rmsnorm", "rotary", "chain"}
+    assert {c.fusion.pattern for c in checked.cards} == {"rmsnorm", "rotary", "chain"}
 
 
 def test_in_place_chain_does_not_change_its_inputs(resnet):
@@ -300,7 +300,7 @@ def test_a_chain_costs_no_more_than_its_own_operator_calls(llama):
     assert fusion.operator_us(rot, cards.by_output(op_cards)) == pytest.approx(len(rot.chain))
     # A view without an operator card launches nothing: it costs nothing, and does not void the sum.
     launching = [c for c in op_cards if not fusion._is_view(c.op)]
-    views = sum(fusion._is_view(e["op"]) for e in rot.chain)
+    views = sum(fusion._is_view(e.op) for e in rot.chain)
     assert views and fusion.operator_us(rot, cards.by_output(launching)) == pytest.approx(len(rot.chain) - views)
     assert fusion.operator_us(norm, cards.by_output([])) is None  # nothing to compare with: the measured time stands
     facts = DeviceFacts("cpu", "test", None, 2, 1 << 20, 1 << 30, 10.0, {"float32": 0.1}, torch.__version__, None)
@@ -421,13 +421,13 @@ def test_layernorm_and_softmax_chains_become_row_kernels(dtype, tmp_path):
     cap = capture(m, lambda: m(x))
     candidates, _ = fusion.find(cap)
     checked = fusion.check_and_sample(m, lambda: m(x), fusion.group(cap, candidates))
-    assert {c.fusion["pattern"] for c in checked.cards} == {"layernorm", "softmax"}
+    assert {c.fusion.pattern for c in checked.cards} == {"layernorm", "softmax"}
     with Evaluator("cpu") as ev:
         for card in checked.cards:
             card, path = _saved(card, checked.samples[card.id], tmp_path)
             t = fused.TEMPLATES[1]  # fused.rows
             v = ev.evaluate(card, t.render(card, "cpu", {}), samples_path=path, bench=False)
-            assert v.accepted, (card.fusion["pattern"], v.reason)
+            assert v.accepted, (card.fusion.pattern, v.reason)
 
 
 def test_gemma_rmsnorm_one_plus_weight():
@@ -441,12 +441,12 @@ def test_gemma_rmsnorm_one_plus_weight():
     })
     found = _find(_load(r))
     (norm,) = found.by_pattern("rmsnorm")
-    ops = [e["op"].split(".")[1] for e in norm.chain]
+    ops = [e.op.split(".")[1] for e in norm.chain]
     assert ops.count("add") == 2  # + eps, and 1 + weight
-    assert norm.fusion["sites"][0]["target"].endswith("GemmaRMSNorm")
+    assert norm.fusion.sites[0].target.endswith("GemmaRMSNorm")
     assert fused.TEMPLATES[1].supports(norm, "cpu") is None
     (act,) = found.by_pattern("gated_act")
-    assert [e["op"].split(".")[1] for e in act.chain] == ["gelu", "mul"]
+    assert [e.op.split(".")[1] for e in act.chain] == ["gelu", "mul"]
 
 
 # --- module patching -------------------------------------------------------------------------------------
@@ -531,7 +531,7 @@ def test_training_grad_and_changed_facts_fall_back(llama, llama_pack):
     stock = _logits(lm)
     pack.activate(pkg, [])
     try:
-        modular = {c.id for c in llama.checked.cards if c.fusion["sites"][0]["kind"] != "function"}
+        modular = {c.id for c in llama.checked.cards if c.fusion.sites[0].kind != "function"}
         hits = _hits(pack, modular)
         lm.model.train()  # training mode: module sites decline (dropout is 0, so outputs match stock)
         try:

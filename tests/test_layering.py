@@ -1,7 +1,8 @@
 """Layering, read from the source with `ast` (imports inside functions count: a lazy import is still
 an import): no import circle among forgepack's modules, the pack runtime imports nothing of forgepack
 outside itself, and `forgepack/pack/__init__.py` imports nothing (so reading a manifest does not load
-the builder, the gate and the shim generator)."""
+the builder, the gate and the shim generator), and the runtime holds each helper it shares with the
+build side once."""
 
 from __future__ import annotations
 
@@ -118,3 +119,64 @@ def test_fusion_does_not_load_the_pack_builder():
         parents = [".".join(name.split(".")[:i]) for i in range(1, name.count(".") + 1)]
         todo += GRAPH[name] + [p for p in parents if p in MODULES]
     assert not seen & {"forgepack.pack.builder", "forgepack.pack.gate", "forgepack.pack.shimgen"}, sorted(seen)
+
+
+def _body(node: ast.FunctionDef | ast.AsyncFunctionDef) -> str:
+    """A function as code, without its name, docstring and recursive references to itself."""
+    body = node.body[1:] if ast.get_docstring(node) is not None else node.body
+    dump = ast.dump(ast.Module([*body], []))
+    return ast.dump(node.args) + dump.replace(f"Name(id='{node.name}'", "Name(id='<self>'")
+
+
+def _definitions(source: str) -> list[tuple[str, str, str]]:
+    """(kind, name, body) for every top-level function and class of a module's source."""
+    found = []
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            found.append(("function", node.name, _body(node)))
+        elif isinstance(node, ast.ClassDef):
+            found.append(("class", node.name, ""))
+    return found
+
+
+def _written_twice(modules: dict[str, list[tuple[str, str, str]]], runtime: set[str]) -> list[str]:
+    """Pairs that say one idea twice: a function of the runtime whose body another module (or another
+    runtime file) writes again, or a public class of the runtime that the build side defines again."""
+    bodies, classes = {}, {}
+    for name in sorted(runtime):
+        for kind, what, body in modules[name]:
+            if kind == "function" and len(body) > 200:  # a one-line accessor may legitimately recur
+                bodies.setdefault(body, f"{name}.{what}")
+            elif kind == "class" and not what.startswith("_"):
+                classes[what] = f"{name}.{what}"
+    found = []
+    for name, defs in modules.items():
+        for kind, what, body in defs:
+            here = f"{name}.{what}"
+            if kind == "function" and bodies.get(body, here) != here:
+                found.append(f"{here} is {bodies[body]} again")
+            elif kind == "class" and name not in runtime and what in classes:
+                found.append(f"{here} is {classes[what]} again")
+    return found
+
+
+def test_the_duplicate_finder_finds_a_helper_written_twice():
+    sha = ("def sha(path):\n    h = hashlib.sha256()\n    with path.open('rb') as f:\n"
+           "        for block in iter(lambda: f.read(1 << 20), b''):\n            h.update(block)\n"
+           "    return h.hexdigest()\n")
+    flat = ("def {0}(r):\n    if isinstance(r, torch.Tensor):\n        return [r]\n"
+            "    return [t for x in r for t in {0}(x)] if isinstance(r, list) else []\n")
+    parse = {n: _definitions(src) for n, src in {
+        "rt.a": sha + flat.format("flatten") + "class Tol:\n    pass\n", "rt.b": flat.format("_flat"),
+        "build": sha.replace("def sha", "def _sha256") + "class Tol:\n    x = 1\n",
+    }.items()}
+    assert _written_twice(parse, {"rt.a", "rt.b"}) == [
+        "rt.b._flat is rt.a.flatten again", "build._sha256 is rt.a.sha again", "build.Tol is rt.a.Tol again"]
+
+
+def test_the_runtime_holds_each_helper_once():
+    """Where the runtime and the build side need the same helper or value type, the runtime holds it and
+    the build side imports it (a file's sha256, an op's flattened outputs, an output's tolerance)."""
+    runtime = {m for m in MODULES if m == RUNTIME or m.startswith(RUNTIME + ".")}
+    found = _written_twice({name: _definitions(MODULES[name].read_text()) for name in MODULES}, runtime)
+    assert found == [], "; ".join(found)

@@ -7,9 +7,13 @@ import dataclasses
 
 import pytest
 import tomllib
+import torch
 from test_pack_manifest import _manifest
 
+from forgepack import samples
+from forgepack.cards import Card
 from forgepack.pack import manifest as manifest_mod
+from forgepack.runtime import selftest
 from forgepack.runtime.packinfo import GraphVerdict, OutputTolerance, PackInfo
 
 
@@ -64,3 +68,24 @@ def test_values_are_frozen_and_unknown_keys_ignored():
         info.name = "other"
     with pytest.raises(dataclasses.FrozenInstanceError):
         info.variants[0].op = "aten.relu.default"
+
+
+def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    if a is None or b is None:  # an absent optional tensor (layer norm's bias)
+        return a is b
+    layout = (a.dtype, a.shape, a.stride(), a.storage_offset()) == (b.dtype, b.shape, b.stride(), b.storage_offset())
+    return layout and torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
+
+
+def test_the_self_test_draws_from_the_manifest_what_the_verifier_draws_from_the_card():
+    """One drawing (`runtime.fresh`): the build's verifier and the pack's self-test meet the same values."""
+    m = _manifest()
+    for built, read in zip(m.variants, _read(m).variants, strict=True):
+        card = Card(op=built.op, schema=built.schema, args=built.args, outputs=built.outputs)
+        for edge in (False, True):
+            verifier = samples.fresh_inputs(card, 7, "cpu", edge)
+            self_test = selftest.inputs(read, 7, torch.device("cpu"), edge)
+            assert len(verifier) == len(self_test) == len(card.tensor_inputs())
+            assert all(_same(a, b) for a, b in zip(verifier, self_test, strict=True)), (built.op, edge)
+            if edge and built.op == "aten._softmax.default":  # 16 floats: the edge values are planted
+                assert not torch.isfinite(verifier[0]).all()

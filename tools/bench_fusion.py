@@ -137,8 +137,8 @@ def build_kernels(built: list[Built], target: str, folder: Path, workers: int, e
             note("verifying")
             for (b, card, path, t, source), result in zip(jobs, compiled, strict=True):
                 v = ev.evaluate_compiled(card, result, source, samples_path=path, bench=False)
-                row = {"recipe": b.name, "card": card.id, "pattern": card.fusion["pattern"], "calls": card.calls,
-                       "launches": card.fusion["launches"], "template": t.name,
+                row = {"recipe": b.name, "card": card.id, "pattern": card.fusion.pattern, "calls": card.calls,
+                       "launches": card.fusion.launches, "template": t.name,
                        "verdict": v.category or "verified", "reason": "" if v.accepted else v.reason[:160]}
                 b.kernels.append(row)
                 if v.accepted:

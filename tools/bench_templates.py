@@ -217,7 +217,7 @@ def fused_bn_relu_card(device: torch.device, shrink: int) -> tuple[str, Card, li
     with torch.no_grad():
         cap = capture(layer, lambda: layer(x), keep_samples=False)
     candidates, _ = fusion.find(cap)
-    (card,) = [c for c in fusion.group(cap, candidates) if c.fusion["pattern"] == "bn_act"]
+    (card,) = [c for c in fusion.group(cap, candidates) if c.fusion.pattern == "bn_act"]
     return "fused batch norm + relu (channels-last)", card, samples.fresh_inputs(card, 0, device)
 
 

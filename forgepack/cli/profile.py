@@ -87,8 +87,8 @@ def chain_table(chains, top: int) -> Table:
         table.add_column(name, justify=justify, overflow="fold" if name == "replaces" else "ellipsis")
     for c in chains[: top or len(chains)]:
         p = c.profile
-        replaced = " ".join(str(e.get("op", "?")).removeprefix("aten.").removesuffix(".default") for e in c.chain)
-        module = str((c.fusion or {}).get("module_class", "")).rsplit(":", 1)[-1]
+        replaced = " ".join(e.op.removeprefix("aten.").removesuffix(".default") for e in c.chain)
+        module = (c.fusion.module_class if c.fusion else "").rsplit(":", 1)[-1]
         table.add_row(c.op_name.removeprefix("fusion."), module, str(c.calls), _short(replaced), f"{p.eager_us:.1f}",
                       f"{100 * p.share:.1f}", profile_mod.headroom_text(c))
     return table

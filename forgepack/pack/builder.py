@@ -54,7 +54,7 @@ from forgepack.pack.manifest import (
 from forgepack.packreport import Decision, PackReport
 from forgepack.recipe import Recipe
 from forgepack.runtime import tolerances
-from forgepack.runtime.packinfo import GraphVerdict
+from forgepack.runtime.packinfo import GraphVerdict, file_sha256
 from forgepack.workspace import Workspace
 
 RUNTIME_DIR = Path(__file__).parent.parent / "runtime"
@@ -136,7 +136,7 @@ def _select_reason(ws, k: AcceptedKernel, card: Card | None, target: str, arch: 
         return f"speed-up {k.speedup:.3f}x is below the margin ({1.0 + margin:.3f}x)"
     if not k.binary or not (ws.root / k.binary).is_file():
         return f"the verified object {k.binary or '(none)'} is missing"
-    if k.binary_sha256 and _sha256(ws.root / k.binary) != k.binary_sha256:
+    if k.binary_sha256 and file_sha256(ws.root / k.binary) != k.binary_sha256:
         return f"{k.binary} is not the object that was verified and timed (its sha256 differs from {k.binary_sha256})"
     if card.kind == "fusion":
         return fusedgen.unsupported_reason(card, target)
@@ -144,14 +144,6 @@ def _select_reason(ws, k: AcceptedKernel, card: Card | None, target: str, arch: 
 
 
 # --- 2. stage ---------------------------------------------------------------------------------------------
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _tolerance(card: Card) -> tuple[OutputTolerance, ...]:
@@ -237,7 +229,7 @@ def stage(ws: Workspace, recipe: Recipe, chosen: list[_Chosen], root: Path, vers
                                         for c in fusions], namespace, target, title=name)
     except RuntimeError as err:
         raise ForgepackError(str(err).splitlines()[0] + " " + " | ".join(str(err).splitlines()[1:3])) from None
-    files = tuple(PackFile(str(p.relative_to(pkg)), _sha256(p), p.stat().st_size)
+    files = tuple(PackFile(str(p.relative_to(pkg)), file_sha256(p), p.stat().st_size)
                   for p in sorted(pkg.rglob("*")) if p.is_file() and p.name != manifest_mod.FILE)
     w = recipe.workload
     manifest = Manifest(

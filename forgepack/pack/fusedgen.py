@@ -49,7 +49,7 @@ class FusedVariant:
 
 def check_supported(card: Card, target: str) -> None:
     """Raise `shimgen.Unsupported` if the fused op cannot guard and serve this card."""
-    if card.kind != "fusion" or not card.fusion or not card.fusion.get("sites"):
+    if card.kind != "fusion" or not card.fusion or not card.fusion.sites:
         raise shimgen.Unsupported("not a fusion card with patch sites")
     device = "cuda" if target == "cuda" else "cpu"
     metas = card.tensor_inputs()

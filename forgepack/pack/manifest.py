@@ -24,23 +24,10 @@ from forgepack import needs as needs_mod
 from forgepack import tomlwriter
 from forgepack.cards import Arg, TensorMeta, ValueStats
 from forgepack.needs import Needs
-from forgepack.runtime.packinfo import DIGEST_KEY, GraphVerdict, manifest_digest
+from forgepack.runtime.packinfo import DIGEST_KEY, GraphVerdict, OutputTolerance, manifest_digest
 
 FORMAT = 1
 FILE = "manifest.toml"
-
-
-@dataclass(frozen=True)
-class OutputTolerance:
-    """How close each output must be to stock (`forgepack.runtime.tolerances`); exact when both are 0."""
-
-    dtype: str
-    rtol: float = 0.0
-    atol: float = 0.0
-
-    @property
-    def exact(self) -> bool:
-        return self.rtol == 0.0 and self.atol == 0.0
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,6 @@ standard library.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import os
 import threading
@@ -35,7 +34,7 @@ from typing import Any
 
 import torch
 
-from .packinfo import PackInfo
+from .packinfo import PackInfo, file_sha256
 
 HERE = Path(__file__).resolve().parent
 _LOG = logging.getLogger(__name__)
@@ -126,14 +125,6 @@ def environment_problem() -> tuple[str | None, list[int]]:
     return None, devices
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def file_problem() -> str | None:
     """What fails the pack's integrity check, named: the manifest's own digest, a file whose digest is
     not the manifest's, or a file the manifest does not list; None when everything checks out."""
@@ -145,7 +136,7 @@ def file_problem() -> str | None:
         path = HERE / entry.path
         if not path.is_file():
             return f"{entry.path} is missing from the pack"
-        if _sha256(path) != entry.sha256:
+        if file_sha256(path) != entry.sha256:
             return f"{entry.path} does not match its sha256 in the manifest (modified or corrupt): refusing to load"
     for path in sorted(HERE.rglob("*")):
         rel = path.relative_to(HERE).as_posix()

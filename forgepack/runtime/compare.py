@@ -1,18 +1,81 @@
 """Comparing two calls' outputs: nested structures leaf by leaf, tensors within a tolerance.
 
-`outputs_mismatch` / `tensor_mismatch` ('' when they match, else the first difference) serve graph
-replay verification (`replaycheck.py`); `scale_error` is also the pack gate's measure of a model's
-outputs against stock. Part of the pack runtime: torch and the standard library only.
+`kernel_mismatch` / `kernel_mismatches` judge a kernel's output against stock's under the kernel
+tolerance (`tolerances.TOLERANCES`, the absolute term scaled by the computation's magnitude): the
+build's verifier (`forgepack.verify`) and the pack's self-test judge through them, so a kernel is held
+to the same rule on the serving machine as when it was accepted. `outputs_mismatch` /
+`tensor_mismatch` ('' when they match, else the first difference) serve graph replay verification
+(`replaycheck.py`); `scale_error` is also the pack gate's measure of a model's outputs against stock.
+Part of the pack runtime: torch and the standard library only.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 
 from .graphkeys import leaves
-from .tolerances import REPLAY_TOLERANCES
+from .tolerances import REPLAY_TOLERANCES, Tolerance, scaled_atol
+
+# An exact comparison of bools compares their bytes: a kernel must write 0 or 1 (the ABI's bool).
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def input_scale(tensors: Iterable[torch.Tensor | None]) -> float:
+    """The largest finite |value| among the float tensors (0 without any): the kernel tolerance's
+    absolute term scales with it (`tolerances.scaled_atol`)."""
+    scale = 0.0
+    for t in tensors:
+        if t is not None and t.is_floating_point() and t.numel():
+            v = t.detach().abs().to(torch.float64)
+            v = v[torch.isfinite(v)]
+            if v.numel():
+                scale = max(scale, float(v.max()))
+    return scale
+
+
+def kernel_mismatches(out: torch.Tensor, ref: torch.Tensor, tol: Tolerance | None, input_scale: float = 0.0,
+                      statistic: bool = False) -> tuple[torch.Tensor, float]:
+    """(which elements of a kernel's output are not stock's, as a bool mask; the absolute tolerance used).
+
+    `tol` None: bitwise exact. Else ``|out - ref| <= atol * m + rtol * |ref|`` where both are finite, m
+    the larger of stock's largest finite |value| and `input_scale`; NaN where stock has NaN, the same
+    infinities. `statistic` (a normalisation's mean or rstd, `tolerances.is_statistic`): NaN and +-inf
+    are interchangeable, but non-finite must stay non-finite and finite values must still match."""
+    if tol is None:
+        a = out.contiguous().view(_BITS[out.element_size()]) if out.dtype == torch.bool else out
+        b = ref.contiguous().view(_BITS[ref.element_size()]) if out.dtype == torch.bool else ref.to(out.dtype)
+        return a != b, 0.0
+    o, r = out.to(torch.float64), ref.to(torch.float64)
+    finite = r[torch.isfinite(r)].abs()
+    atol = scaled_atol(tol, max(float(finite.max()) if finite.numel() else 0.0, input_scale))
+    close = (o - r).abs() <= atol + tol.rtol * r.abs()
+    same_class = ~torch.isfinite(o) & ~torch.isfinite(r) if statistic else torch.isnan(o) & torch.isnan(r)
+    ok = (o == r) | same_class | (torch.isfinite(o) & torch.isfinite(r) & close)
+    return ~ok, atol
+
+
+def kernel_mismatch(out: torch.Tensor, ref: torch.Tensor, tol: Tolerance | None, input_scale: float = 0.0,
+                    statistic: bool = False) -> str:
+    """'' when a kernel's output is stock's under the kernel tolerance (`kernel_mismatches`), else why not."""
+    if out.dtype != ref.dtype or out.shape != ref.shape:
+        return f"got {out.dtype}{list(out.shape)}, stock gives {ref.dtype}{list(ref.shape)}"
+    bad, atol = kernel_mismatches(out, ref, tol, input_scale, statistic)
+    count = int(bad.sum())
+    if not count:
+        return ""
+    if tol is None:
+        return f"{count} of {out.numel()} elements differ (exact)"
+    return f"{count} of {out.numel()} elements outside {tol.describe()} (atol scaled: {atol:.3g})"
+
+
+def max_abs_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """The largest |out - ref| where both are finite (0.0 when nowhere is)."""
+    o, r = out.to(torch.float64), ref.to(torch.float64)
+    both = torch.isfinite(o) & torch.isfinite(r)
+    return float((o - r).abs()[both].max()) if bool(both.any()) else 0.0
 
 
 def _tolerance(dtype: torch.dtype, rtol: float | None, atol: float | None) -> tuple[float, float]:

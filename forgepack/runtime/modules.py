@@ -21,12 +21,13 @@ kinds where the chain sits between child modules: "gated_mlp" (`down(act(gate(x)
 re-states the original's code; the build checks it against the original, bit for bit, and the digest
 guard makes sure the source it was checked against is the one running.
 
-This file imports only torch and the standard library.
+This file imports only torch, the standard library and the pack runtime beside it.
 """
 
 from __future__ import annotations
 
 import ast
+import functools
 import hashlib
 import importlib
 import inspect
@@ -37,6 +38,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from .stockcall import flatten_outputs
 
 SPEC_FILE = "modules.json"
 _MISSING = object()
@@ -359,29 +362,35 @@ class ModulePatches:
         row[3] += 1
         return None
 
+    def _serve(self, entries: list, module: Any, original: Callable, head: tuple, args: tuple, kwargs: dict) -> Any:
+        """The first site whose facts hold and whose call form this call has: its kernel's outputs, or on
+        a miss the original's (shown to the observer); the original's when no site takes the call.
+        `head` is what the original takes before the call's arguments (a forward's module)."""
+        for site, checks, form in entries:
+            if not facts_hold(module, checks):
+                continue
+            tensors = form.tensors(module, args, kwargs)
+            if tensors is None:
+                continue
+            out = self._run(site, tensors)
+            if out is not None:
+                return tuple(out) if form.tuple_result else out[0]
+            result = original(*head, *args, **kwargs)
+            if self.observe is not None:
+                self.observe(site, tensors, flatten_outputs(result))
+            return result
+        return original(*head, *args, **kwargs)
+
     def _function(self, original: Callable, sites: list[Site]) -> Callable:
-        forms = [(s, _Form(s)) for s in sites]
+        entries = [(s, (), _Form(s)) for s in sites]  # a free function has no module facts
         patches = self
 
         def guarded(*args, **kwargs):
             if _OFF in guarded.__dict__:
                 return original(*args, **kwargs)
-            for site, form in forms:
-                tensors = form.tensors(None, args, kwargs)
-                if tensors is None:
-                    continue
-                out = patches._run(site, tensors)
-                if out is not None:
-                    return tuple(out) if form.tuple_result else out[0]
-                result = original(*args, **kwargs)
-                if patches.observe is not None:
-                    patches.observe(site, tensors, _flat(result))
-                return result
-            return original(*args, **kwargs)
+            return patches._serve(entries, None, original, (), args, kwargs)
 
-        guarded.__wrapped__ = original
-        guarded.__forgepack_patch__ = True
-        return guarded
+        return _marked(guarded, original)
 
     def _forward(self, cls: type, original: Callable, sites: list[Site]) -> Callable:
         kinds = {s.kind for s in sites}
@@ -398,24 +407,10 @@ class ModulePatches:
 
         def forward(module, *args, **kwargs):
             if type(module) is cls and not module.training and _OFF not in forward.__dict__:
-                for site, checks, form in entries:
-                    if not facts_hold(module, checks):
-                        continue
-                    tensors = form.tensors(module, args, kwargs)
-                    if tensors is None:
-                        continue
-                    out = patches._run(site, tensors)
-                    if out is not None:
-                        return tuple(out) if form.tuple_result else out[0]
-                    result = original(module, *args, **kwargs)
-                    if patches.observe is not None:
-                        patches.observe(site, tensors, _flat(result))
-                    return result
+                return patches._serve(entries, module, original, (module,), args, kwargs)
             return original(module, *args, **kwargs)
 
-        forward.__wrapped__ = original
-        forward.__forgepack_patch__ = True
-        return forward
+        return _marked(forward, original)
 
     # --- counters ---
 
@@ -426,12 +421,11 @@ class ModulePatches:
                 for s in self.sites}
 
 
-def _flat(result: Any) -> list[torch.Tensor]:
-    if isinstance(result, torch.Tensor):
-        return [result]
-    if isinstance(result, list | tuple):
-        return [t for r in result for t in _flat(r)]
-    return []
+def _marked(patch: Callable, original: Callable) -> Callable:
+    """A guarded callable as installed: it unwraps to the original and says it is forgepack's."""
+    patch.__wrapped__ = original
+    patch.__forgepack_patch__ = True
+    return patch
 
 
 def _matching(module: Any, checks: list) -> Site | None:
@@ -453,82 +447,71 @@ def _glue_site(forward: Callable, module: Any, cls: type, args: tuple, kwargs: d
     return _matching(module, checks)
 
 
-def _gated_mlp(patches: ModulePatches, cls: type, original: Callable, checks: list) -> Callable:
-    """`down_proj(act_fn(gate_proj(x)) * up_proj(x))`: act(gate) * up is the chain."""
+@dataclass(frozen=True)
+class _Glue:
+    """A glue kind's code, split where the chain sits: `inputs(children, x)` runs the children before the
+    chain and gives the kernel's inputs, `chain(children, inputs)` is the chain as the original computes
+    it, `finish(children, chain_output)` is what the forward does after it. `in_place`: the chain
+    writes its first input, so the observer is shown a copy taken before."""
 
+    inputs: Callable[[dict, Any], list]
+    chain: Callable[[dict, list], Any]
+    finish: Callable[[dict, Any], Any] = lambda children, h: h
+    in_place: bool = False
+
+
+def _glue_forward(patches: ModulePatches, cls: type, original: Callable, checks: list, glue: _Glue) -> Callable:
     def forward(module, *args, **kwargs):
         site = _glue_site(forward, module, cls, args, kwargs, checks)
         if site is None:
             return original(module, *args, **kwargs)
-        x, mods = args[0], module._modules  # children by dict: nn.Module.__getattr__ costs microseconds
-        gate = mods["gate_proj"](x)
-        up = mods["up_proj"](x)
-        out = patches._run(site, [gate, up])
-        if out is not None:
-            return mods["down_proj"](out[0])
-        h = mods["act_fn"](gate) * up
-        if patches.observe is not None:
-            patches.observe(site, [gate, up], [h])
-        return mods["down_proj"](h)
-
-    forward.__wrapped__ = original
-    forward.__forgepack_patch__ = True
-    return forward
-
-
-def _conv_bn_act(patches: ModulePatches, cls: type, original: Callable, checks: list) -> Callable:
-    """`activation(normalization(convolution(x)))` with an eval-mode batch norm: BN + act is the chain."""
-
-    def forward(module, *args, **kwargs):
-        site = _glue_site(forward, module, cls, args, kwargs, checks)
-        if site is None:
-            return original(module, *args, **kwargs)
-        mods = module._modules
-        h = mods["convolution"](args[0])
-        bn = mods["normalization"]
-        tensors = [h, bn._parameters.get("weight"), bn._parameters.get("bias"), bn._buffers.get("running_mean"),
-                   bn._buffers.get("running_var")]
+        mods = module._modules  # children by dict: nn.Module.__getattr__ costs microseconds
+        tensors = glue.inputs(mods, args[0])
         if all(isinstance(t, torch.Tensor) for t in tensors):
             out = patches._run(site, tensors)
             if out is not None:
-                return out[0]
-        y = mods["activation"](bn(h))
-        if patches.observe is not None:
-            patches.observe(site, tensors, [y])
-        return y
+                return glue.finish(mods, out[0])
+        observing = patches.observe is not None
+        seen = [tensors[0].clone(), *tensors[1:]] if observing and glue.in_place else tensors
+        h = glue.chain(mods, tensors)
+        if observing:
+            patches.observe(site, seen, [h])
+        return glue.finish(mods, h)
 
-    forward.__wrapped__ = original
-    forward.__forgepack_patch__ = True
-    return forward
-
-
-def _residual_act(patches: ModulePatches, cls: type, original: Callable, checks: list) -> Callable:
-    """`h = layer(x); h += shortcut(x); activation(h)`: the add and the activation are the chain."""
-
-    def forward(module, *args, **kwargs):
-        site = _glue_site(forward, module, cls, args, kwargs, checks)
-        if site is None:
-            return original(module, *args, **kwargs)
-        mods = module._modules
-        residual = args[0]
-        h = mods["layer"](args[0])
-        residual = mods["shortcut"](residual)
-        out = patches._run(site, [h, residual])
-        if out is not None:
-            return out[0]
-        seen = [h.clone(), residual] if patches.observe is not None else None  # before `+=` changes h
-        h += residual
-        y = mods["activation"](h)
-        if seen is not None:
-            patches.observe(site, seen, [y])
-        return y
-
-    forward.__wrapped__ = original
-    forward.__forgepack_patch__ = True
-    return forward
+    return _marked(forward, original)
 
 
-_GLUE_FORWARDS = {"gated_mlp": _gated_mlp, "conv_bn_act": _conv_bn_act, "residual_act": _residual_act}
+def _gated_mlp_inputs(mods: dict, x: Any) -> list:
+    return [mods["gate_proj"](x), mods["up_proj"](x)]
+
+
+def _conv_bn_inputs(mods: dict, x: Any) -> list:
+    bn = mods["normalization"]
+    return [mods["convolution"](x), bn._parameters.get("weight"), bn._parameters.get("bias"),
+            bn._buffers.get("running_mean"), bn._buffers.get("running_var")]
+
+
+def _residual_inputs(mods: dict, x: Any) -> list:
+    return [mods["layer"](x), mods["shortcut"](x)]
+
+
+def _residual_chain(mods: dict, tensors: list) -> Any:
+    h, residual = tensors
+    h += residual
+    return mods["activation"](h)
+
+
+# The factories `_forward` calls for each glue kind: (patches, cls, original, checks) -> guarded forward.
+_GLUE_FORWARDS = {
+    # `down_proj(act_fn(gate_proj(x)) * up_proj(x))`: act(gate) * up is the chain
+    "gated_mlp": functools.partial(_glue_forward, glue=_Glue(
+        _gated_mlp_inputs, lambda mods, t: mods["act_fn"](t[0]) * t[1], lambda mods, h: mods["down_proj"](h))),
+    # `activation(normalization(convolution(x)))` with an eval-mode batch norm: BN + act is the chain
+    "conv_bn_act": functools.partial(_glue_forward, glue=_Glue(
+        _conv_bn_inputs, lambda mods, t: mods["activation"](mods["normalization"](t[0])))),
+    # `h = layer(x); h += shortcut(x); activation(h)`: the add and the activation are the chain
+    "residual_act": functools.partial(_glue_forward, glue=_Glue(_residual_inputs, _residual_chain, in_place=True)),
+}
 
 
 # --- the pack's side: sites from modules.json, kernels through the shim's `fused` op ------------------

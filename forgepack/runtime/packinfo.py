@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 DIGEST_KEY = "digest"  # the manifest's own sha256, over everything else in it (`manifest_digest`)
@@ -23,6 +24,16 @@ def manifest_digest(doc: dict[str, Any]) -> str:
     into the manifest and the loader recomputes it, so an edited manifest is refused."""
     body = {k: v for k, v in doc.items() if k != DIGEST_KEY}
     return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def file_sha256(path: str | Path) -> str:
+    """sha256 of a file's bytes, read in blocks: the manifest lists each pack file's, the loader checks
+    them, and the builder checks that a kernel object is the one that was verified and timed."""
+    h = hashlib.sha256()
+    with Path(path).open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 @dataclass(frozen=True)
@@ -69,6 +80,10 @@ class OutputTolerance:
     dtype: str
     rtol: float = 0.0
     atol: float = 0.0
+
+    @property
+    def exact(self) -> bool:
+        return self.rtol == 0.0 and self.atol == 0.0
 
 
 @dataclass(frozen=True)

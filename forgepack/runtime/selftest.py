@@ -1,11 +1,13 @@
 """Re-verify every kernel of this pack on this machine, against stock PyTorch.
 
-For each variant: fresh random inputs drawn from the manifest's recorded metadata (exact dtypes,
-sizes, strides and storage offsets; values with the captured mean, spread and sign), plus one input
-with inf, -inf and NaN planted; the stock op runs with the pack deactivated (strict fp32: no TF32),
-then the same call with the pack active must hit the variant's kernel and match under the manifest's
-tolerance (the one table forgepack verified with): |out - ref| <= atol + rtol * |ref|, NaN and
-infinities in the same places, integers and bools exact, and the same output layout.
+For each variant: fresh random inputs drawn from the manifest's recorded metadata (`fresh.draw`, as
+the build's verifier draws them: exact dtypes, sizes, strides and storage offsets; values with the
+captured mean, spread and sign), plus one input with inf, -inf and NaN planted; the stock op runs
+with the pack deactivated (strict fp32: no TF32), then the same call with the pack active must hit
+the variant's kernel, give stock's output layout and match under the manifest's tolerance as the
+verifier judged it (`compare.kernel_mismatch`): |out - ref| <= atol * m + rtol * |ref|, m the
+largest finite magnitude of stock's output and the inputs; NaN and infinities in the same places
+(a normalisation's mean or rstd: non-finite where stock's is); integers and bools exact.
 Imports only torch and the standard library.
 """
 
@@ -15,42 +17,13 @@ import sys
 
 import torch
 
+from . import compare as judge
 from . import stockcall
-from .packinfo import OutputTolerance, TensorRecord, VariantInfo
+from .fresh import draw
+from .packinfo import OutputTolerance, VariantInfo
+from .tolerances import Tolerance, is_statistic
 
 FRESH_INPUTS = 3
-_FLOAT = ("float32", "float16", "bfloat16", "float64")
-
-
-def _span(meta: TensorRecord) -> int:
-    if any(n == 0 for n in meta.shape):
-        return 0
-    return 1 + sum((n - 1) * abs(s) for n, s in zip(meta.shape, meta.stride, strict=True))
-
-
-def draw(meta: TensorRecord, gen: torch.Generator, device: torch.device, edge: bool = False) -> torch.Tensor:
-    """A tensor in the recorded layout (same storage offset, so the same pointer alignment)."""
-    n, offset = _span(meta), meta.storage_offset
-    stats = meta.stats
-    dtype = getattr(torch, meta.dtype)
-    if meta.dtype == "bool":
-        values = torch.rand(n, generator=gen) < 0.5
-    elif meta.dtype in _FLOAT:
-        std = stats.get("std", 1.0) or max(abs(stats.get("mean", 0.0)), 1.0)
-        values = torch.randn(n, generator=gen, dtype=torch.float64) * std + stats.get("mean", 0.0)
-        if stats.get("min", -1.0) >= 0:
-            values = values.abs()
-        if edge and n >= 8:
-            idx = torch.randint(0, n, (3,), generator=gen).tolist()
-            for i, special in zip(idx, (float("inf"), float("-inf"), float("nan")), strict=True):
-                values[i] = special
-    else:
-        lo, hi = int(stats.get("min", -1)), int(stats.get("max", 1))
-        values = torch.randint(lo, hi + 1, (n,), generator=gen, dtype=torch.int64)
-    storage = torch.empty(offset + n, dtype=dtype, device=device)
-    if n:
-        storage[offset:].copy_(values.to(dtype))
-    return torch.as_strided(storage, meta.shape, meta.stride, offset)
 
 
 def inputs(variant: VariantInfo, seed: int, device: torch.device, edge: bool) -> list[torch.Tensor | None]:
@@ -71,24 +44,20 @@ def call_args(variant: VariantInfo, func, tensors: list, device: torch.device) -
     return stockcall.call_args(func, [a.recorded() for a in variant.args], tensors, device)
 
 
-def compare(out: torch.Tensor, ref: torch.Tensor, tol: OutputTolerance) -> tuple[str | None, float]:
-    """(what is wrong or None, max abs error over finite elements)."""
-    if out.dtype != ref.dtype or out.shape != ref.shape:
-        return f"got {out.dtype}{list(out.shape)}, stock gives {ref.dtype}{list(ref.shape)}", float("inf")
-    if out.stride() != ref.stride():
-        return f"output strides {out.stride()} differ from stock's {ref.stride()}", float("inf")
-    if tol.rtol == 0.0 and tol.atol == 0.0:
-        bad = int((out != ref).sum()) if out.dtype != torch.bool else int((out ^ ref).sum())
-        return (f"{bad} elements differ (exact dtype)" if bad else None), float(bad)
-    o, r = out.to(torch.float64), ref.to(torch.float64)
-    both = torch.isfinite(o) & torch.isfinite(r)
-    close = (o - r).abs() <= tol.atol + tol.rtol * r.abs()
-    ok = (o == r) | (torch.isnan(o) & torch.isnan(r)) | (both & close)
-    err = float((o - r).abs()[both].max()) if bool(both.any()) else 0.0
-    bad = int((~ok).sum())
-    if bad:
-        return f"{bad} of {out.numel()} elements outside rtol={tol['rtol']:g}, atol={tol['atol']:g}", err
-    return None, err
+def _layout(t: torch.Tensor) -> str:
+    return f"{t.dtype}{list(t.shape)} strides {list(t.stride())}"
+
+
+def compare(out: torch.Tensor, ref: torch.Tensor, tol: OutputTolerance, input_scale: float = 0.0,
+            statistic: bool = False) -> tuple[str | None, float]:
+    """(what is wrong or None, max abs error over finite elements): the layout stock gives, and the
+    values under the manifest's tolerance, judged as the build's verifier judged them
+    (`compare.kernel_mismatch`)."""
+    if _layout(out) != _layout(ref):
+        return f"got {_layout(out)}, stock gives {_layout(ref)}", float("inf")
+    rule = None if tol.exact else Tolerance(tol.rtol, tol.atol)
+    problem = judge.kernel_mismatch(out, ref, rule, input_scale, statistic)
+    return problem or None, judge.max_abs_error(out, ref) if out.is_floating_point() else 0.0
 
 
 # The reference's precision, as the build's verifier had it: no TF32, and fp16/bf16 products summed in
@@ -125,8 +94,9 @@ def check_variant(pack, variant: VariantInfo, device: torch.device, seeds: int) 
         got = stockcall.flatten_outputs(func(*args, **kwargs))
         if pack.stats()[variant.id]["hits"] != before + 1:
             return "the guard did not send its own variant to the kernel", n, worst
+        scale = judge.input_scale(tensors)
         for j, (o, r) in enumerate(zip(got, ref, strict=True)):
-            problem, err = compare(o, r, variant.tolerance[j])
+            problem, err = compare(o, r, variant.tolerance[j], scale, is_statistic(variant.op, j))
             worst = max(worst, err)
             if problem:
                 kind = "edge input" if edge else f"input {seed}"

@@ -1,6 +1,7 @@
 """Tolerances, one table per purpose, by output dtype (the runtime holds them; the build side imports
-them): kernel against stock (`TOLERANCES`), the model with the pack against stock (`MODEL_RTOL`: max
-|pack - stock| over max |stock|, the gate), a graph replay against eager (`REPLAY_TOLERANCES`).
+them): kernel against stock (`TOLERANCES`, judged by `compare.kernel_mismatch` in the verifier and
+the pack's self-test), the model with the pack against stock (`MODEL_RTOL`: max |pack - stock| over
+max |stock|, the gate), a graph replay against eager (`REPLAY_TOLERANCES`).
 
 The kernel table: how close a kernel's output must be to stock PyTorch's.
 
@@ -66,6 +67,23 @@ def scaled_atol(tol: Tolerance, magnitude: float) -> float:
 def describe(dtype: str) -> str:
     tol = tolerance(dtype)
     return "exact" if tol is None else tol.describe()
+
+
+# Outputs that are statistics of a normalisation (op -> output indices): mean and rstd/invstd. Over a
+# row holding inf or NaN such a statistic is NaN or +-inf depending on the algorithm (Welford gives
+# inf - inf = NaN where a two-pass sum gives inf), and the row's normalised output is NaN either way.
+# There, the only promise is "not finite where stock is not finite" (`compare.kernel_mismatches`).
+STATISTICS_OUTPUTS = {
+    "aten.native_layer_norm.default": (1, 2),
+    "aten.native_group_norm.default": (1, 2),
+    "aten.native_batch_norm.default": (1, 2),
+    "aten._native_batch_norm_legit_no_training.default": (1, 2),
+    "aten.cudnn_batch_norm.default": (1, 2),
+}
+
+
+def is_statistic(op: str, output: int) -> bool:
+    return output in STATISTICS_OUTPUTS.get(op, ())
 
 
 # Through a few dozen layers a few ulp per op grow by about an order of magnitude (bf16 logits of a

@@ -220,7 +220,7 @@ def coverage(cards: Sequence[Card]) -> dict[str, tuple[tuple[str, float], ...]]:
     covered: dict[str, dict[str, float]] = {}
     for fusion in (c for c in cards if c.kind == "fusion"):
         for entry in fusion.chain:
-            matches = by_key.get(output_key(entry["op"], entry.get("outs", ())), [])
+            matches = by_key.get(output_key(entry.op, entry.outs), [])
             total = sum(c.calls for c in matches)
             for card in matches:
                 if card.calls and total:  # it takes fusion.calls * card.calls / total of card's calls

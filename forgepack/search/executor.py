@@ -21,7 +21,6 @@ candidates at the same time; one GPU never times two at once.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import inspect
 import math
 import os
@@ -34,6 +33,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from forgepack.cards import Card
+from forgepack.runtime.packinfo import file_sha256
 
 
 class Executor(Protocol):
@@ -84,14 +84,6 @@ def supported_options(cls: type, options: dict[str, Any]) -> dict[str, Any]:
     """The options `cls` accepts (e.g. a bench-repetition cap that an older Evaluator lacks)."""
     params = inspect.signature(cls).parameters
     return {k: v for k, v in options.items() if k in params}
-
-
-def file_sha256(path: str | Path) -> str:
-    h = hashlib.sha256()
-    with Path(path).open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def with_object_hash(verdict: Any, sha256: str | None = None) -> Any:

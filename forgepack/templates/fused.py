@@ -26,7 +26,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from forgepack.cards import DTYPE_SIZES, Card, TensorMeta
+from forgepack.cards import DTYPE_SIZES, Card, ChainArg, TensorMeta
 from forgepack.templates import elementwise as ew
 from forgepack.templates.common import (
     FLOATS,
@@ -72,38 +72,31 @@ class Entry:
     index: int
     op: str  # base name, e.g. "mul"
     overload: str
-    args: dict  # name -> arg dict from the card's chain
+    args: dict[str, ChainArg]  # by name, from the card's chain entry
     order: tuple[str, ...]  # argument names in schema order
     outs: tuple[TensorMeta, ...]
 
     def value(self, name: str, default=None):
         a = self.args.get(name)
-        return default if a is None or a["kind"] != "value" else a["value"]
+        return default if a is None or a.kind != "value" else a.value
 
-    def tensor(self, name: str) -> list | None:
+    def tensor(self, name: str) -> tuple | None:
         a = self.args.get(name)
-        return a["ref"] if a is not None and a["kind"] == "tensor" else None
+        return a.ref if a is not None and a.kind == "tensor" else None
 
-    def tensor_args(self) -> list[tuple[str, list]]:
-        return [(n, self.args[n]["ref"]) for n in self.order if self.args[n]["kind"] == "tensor"]
-
-
-def _meta(d: dict) -> TensorMeta:
-    return TensorMeta(d["dtype"], tuple(d["shape"]), tuple(d["stride"]), d.get("storage_offset", 0),
-                      d.get("device", "cpu"))
+    def tensor_args(self) -> list[tuple[str, tuple]]:
+        return [(n, self.args[n].ref) for n in self.order if self.args[n].kind == "tensor"]
 
 
 def entries(card: Card) -> list[Entry]:
     out = []
     for i, e in enumerate(card.chain):
-        _, op, overload = e["op"].split(".")
-        args = {a["name"]: a for a in e["args"]}
-        out.append(Entry(i, op, overload, args, tuple(a["name"] for a in e["args"]),
-                         tuple(_meta(m) for m in e["outs"])))
+        _, op, overload = e.op.split(".")
+        out.append(Entry(i, op, overload, {a.name: a for a in e.args}, tuple(a.name for a in e.args), e.outs))
     return out
 
 
-def meta_of(card: Card, chain: list[Entry], ref: list) -> TensorMeta:
+def meta_of(card: Card, chain: list[Entry], ref: tuple) -> TensorMeta:
     if ref[0] == "in":
         return card.tensor_inputs()[ref[1]]
     return chain[ref[1]].outs[ref[2]]
@@ -111,14 +104,14 @@ def meta_of(card: Card, chain: list[Entry], ref: list) -> TensorMeta:
 
 def _used(card: Card, chain: list[Entry]) -> set[int]:
     """Chain entries an output depends on (an unused `empty`, BN's saved statistics, are not)."""
-    need, todo = set(), [r for r in card.fusion["outputs"] if r[0] == "t"]
+    need, todo = set(), [r for r in card.fusion.outputs if r[0] == "t"]
     while todo:
         r = todo.pop()
         if r[1] in need:
             continue
         need.add(r[1])
         for a in chain[r[1]].args.values():
-            refs = [a["ref"]] if a["kind"] == "tensor" else a.get("refs", []) if a["kind"] == "tensors" else []
+            refs = [a.ref] if a.kind == "tensor" else a.refs
             todo.extend(x for x in refs if x[0] == "t")
     return need
 
@@ -182,15 +175,15 @@ def _binary(e: Entry, operands: dict[str, tuple[str, str]], out: str, target: st
         a = e.args.get(name)
         if a is None:
             raise Refused(f"{e.op} without {name}")
-        if a["kind"] == "tensor":
+        if a.kind == "tensor":
             x, dt = operands[name]
             terms.append(ew._round_to(dt, x, out))
-        elif a["kind"] == "value" and isinstance(a["value"], int | float) and not isinstance(a["value"], bool):
+        elif a.kind == "value" and isinstance(a.value, int | float) and not isinstance(a.value, bool):
             if name == "self":
                 raise Refused("a scalar self")
-            terms.append(flit(a["value"]))
+            terms.append(flit(a.value))
         else:
-            raise Refused(f"{e.op} operand {name} is {a['kind']}")
+            raise Refused(f"{e.op} operand {name} is {a.kind}")
     x, y = terms
     base = e.op.rstrip("_")
     alpha = e.value("alpha", 1)
@@ -205,7 +198,7 @@ def _binary(e: Entry, operands: dict[str, tuple[str, str]], out: str, target: st
         return _arith("*", x, y, exact)
     if e.value("rounding_mode") is not None:
         raise Refused("div with a rounding mode")
-    if e.args["other"]["kind"] == "value" and target == "cuda":
+    if e.args["other"].kind == "value" and target == "cuda":
         return _arith("*", x, f"(1.0f / {y})", exact)  # aten's div_true_kernel_cuda multiplies by the reciprocal
     return _arith("/", x, y, exact)
 
@@ -370,7 +363,7 @@ def _pointwise_job(card: Card, chain: list[Entry], target: str, form: str) -> ew
                 operands[name] = (leaf(_leaf_view(card, chain, ref, shape)), dtype)
         stmts.append(f"const float t{e.index} = {elementwise_expr(e, operands, target, form)};")
         names[e.index] = f"t{e.index}"
-    result = card.fusion["outputs"][0]
+    result = card.fusion.outputs[0]
     if result[0] != "t" or result[1] not in names or result[2] != 0:
         raise Refused("the output is not computed by the chain")
     expr = "([&]() -> float { " + " ".join(stmts) + f" return {names[result[1]]}; }}())"
@@ -465,7 +458,7 @@ class RowsFusion(FusedTemplate, RowTemplate):  # the row engine's axes, defaults
             else:
                 raise Refused(f"{e.op} of shape {shape} is neither per row nor per element")
         outs, writes = [], []
-        for j, (ref, meta) in enumerate(zip(card.fusion["outputs"], card.outputs, strict=True)):
+        for j, (ref, meta) in enumerate(zip(card.fusion.outputs, card.outputs, strict=True)):
             if meta.shape != out0.shape:
                 raise Refused("row fusion writes outputs of the input's shape")
             expr, _, per_row = operand(ref)
@@ -627,7 +620,7 @@ class _Emitter:
         return list(reversed(coords))
 
     def _cat(self, e: Entry, meta: TensorMeta, idx: list[str], out: list[str], memo: dict) -> str:
-        refs = e.args["tensors"]["refs"]
+        refs = e.args["tensors"].refs
         nd = len(meta.shape)
         d = e.value("dim", 0) % nd
         name = self.fresh()
@@ -671,7 +664,7 @@ class IndexedFusion(FusedTemplate):
         biggest = max([o.numel for o in outs] + [m.span() for m in card.tensor_inputs() if m is not None])
         itype = "uint32_t" if biggest + (1 << 20) < (1 << 31) else "uint64_t"
         bodies = []
-        for j, (ref, meta) in enumerate(zip(card.fusion["outputs"], outs, strict=True)):
+        for j, (ref, meta) in enumerate(zip(card.fusion.outputs, outs, strict=True)):
             if meta.dtype not in COMPUTE_DTYPES:
                 raise Refused(f"output dtype {meta.dtype}")
             em = _Emitter(card, chain, target, itype)

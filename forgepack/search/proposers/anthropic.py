@@ -255,7 +255,7 @@ def describe_card(card: Card) -> str:
     if card.modules:
         lines.append(f"Called from: {', '.join(card.modules[:4])}")
     if card.kind == "fusion":
-        lines.append(f"Fusion of: {', '.join(str(c.get('op', c)) for c in card.chain)}")
+        lines.append(f"Fusion of: {', '.join(e.op for e in card.chain)}")
     lines.append("Inputs (call->inputs, in this order):")
     index = 0
     for arg in card.args:

@@ -1,0 +1,61 @@
+"""Fresh inputs drawn like recorded ones, in the recorded layout: the one drawing of the build's
+verifier (`forgepack.samples`, from a card's `TensorMeta`) and the pack's self-test (from the
+manifest's `TensorRecord`), so a kernel meets the same kind of values at build time and on the
+serving machine.
+
+A tensor keeps its recorded dtype, sizes, strides and storage offset (a storage with the same offset
+in front, so pointer alignment matches too). Values: floats with the captured mean and spread (and
+sign, when nothing negative was seen), integers in the captured range, bools at random; an edge
+draw plants inf, -inf and NaN in float inputs, whose positions a kernel must reproduce. Part of the
+pack runtime: torch and the standard library only.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .packinfo import TensorRecord
+
+FLOAT_DTYPES = ("float32", "float16", "bfloat16", "float64")
+_EDGE_VALUES = (float("inf"), float("-inf"), float("nan"))
+
+
+def span(shape: tuple[int, ...], stride: tuple[int, ...]) -> int:
+    """Elements of storage a view touches, from its first element (0 for an empty view)."""
+    if any(n == 0 for n in shape):
+        return 0
+    return 1 + sum((n - 1) * abs(s) for n, s in zip(shape, stride, strict=True))
+
+
+def materialize(meta: TensorRecord, values: torch.Tensor, device: str | torch.device) -> torch.Tensor:
+    """A tensor with meta's exact layout whose storage window holds `values` (its span long)."""
+    dtype = getattr(torch, meta.dtype)
+    n = span(meta.shape, meta.stride)
+    storage = torch.empty(meta.storage_offset + n, dtype=dtype, device=device)
+    if n:
+        storage[meta.storage_offset:].copy_(values.reshape(-1).to(dtype))
+    return torch.as_strided(storage, meta.shape, meta.stride, meta.storage_offset)
+
+
+def draw_values(meta: TensorRecord, gen: torch.Generator, edge: bool = False) -> torch.Tensor:
+    """The storage window's values (1-D; float64, int64 or bool) for a draw like the recorded one."""
+    n, stats = span(meta.shape, meta.stride), meta.stats
+    if meta.dtype == "bool":
+        return torch.rand(n, generator=gen) < 0.5
+    if meta.dtype not in FLOAT_DTYPES:
+        lo, hi = int(stats.get("min", -1)), int(stats.get("max", 1))
+        return torch.randint(lo, hi + 1, (n,), generator=gen, dtype=torch.int64)
+    mean = stats.get("mean", 0.0)
+    std = stats.get("std", 1.0) or max(abs(mean), 1.0)  # a constant input: its own magnitude
+    values = torch.randn(n, generator=gen, dtype=torch.float64) * std + mean
+    if stats.get("min", -1.0) >= 0:  # e.g. variances, probabilities, rsqrt inputs: keep the sign
+        values = values.abs()
+    if edge and n >= 8:
+        for i, special in zip(torch.randint(0, n, (3,), generator=gen).tolist(), _EDGE_VALUES, strict=True):
+            values[i] = special
+    return values
+
+
+def draw(meta: TensorRecord, gen: torch.Generator, device: str | torch.device, edge: bool = False) -> torch.Tensor:
+    """Fresh values like the recorded ones, in meta's exact layout (`edge`: inf, -inf, NaN planted)."""
+    return materialize(meta, draw_values(meta, gen, edge), device)
