@@ -373,6 +373,18 @@ def _scalar(t: torch.Tensor) -> float | int | bool | str:
     return v
 
 
+def _close_to(out: torch.Tensor, ref: torch.Tensor, dtype: str, input_scale: float) -> torch.Tensor:
+    """Elements of `out` within the dtype's tolerance of `ref`: a correct value that equals the fill's
+    bitwise by chance (random finite "garbage": about one element in 10^7 for fp32) was written, not left."""
+    tol = tolerances.tolerance(dtype)
+    if tol is None:
+        return torch.zeros(out.shape, dtype=torch.bool, device=out.device)
+    got, want = out.double(), ref.to(out.device).double()
+    finite = want[torch.isfinite(want)]
+    magnitude = max(float(finite.abs().max()) if finite.numel() else 0.0, input_scale)
+    return (got - want).abs() <= tolerances.scaled_atol(tol, magnitude) + tol.rtol * want.abs()
+
+
 def _input_scale(s: InputSet) -> float:
     """The largest finite |value| among a set's float inputs (0 without any)."""
     return judge.input_scale(g.view for g in s.inputs if g is not None)
@@ -596,6 +608,8 @@ class Harness:
             view = torch.as_strided(snap, o.meta.shape, o.meta.stride, o.start)
             pview = _view_of(o, filled)
             unwritten = (_bits_of(view) == pview) & (_bits_of(s.reference[j].to(view.dtype)) != pview)
+            if bool(unwritten.any()):
+                unwritten &= ~_close_to(view, s.reference[j], o.meta.dtype, _input_scale(s))
             count = int(unwritten.sum())
             if count:
                 flat = int(unwritten.reshape(-1).nonzero()[0])
