@@ -231,3 +231,18 @@ def test_generic_cuda_kernels_verify_at_every_check_point_on_the_gpu(fams):
         verdict = familyeval.evaluate(ev, card, t.render(card, "cuda", t.default(card, "cuda")), bench=True)
         assert verdict.category in (None, "slower"), verdict.reason
         assert len(verdict.diagnostics["family"]["points"]) == 4  # a speed-up per captured row count
+
+
+def test_the_decode_cache_cat_family_verifies_at_every_check_point(evaluator):
+    """The decode cache's cat folds into one family whose output length is derived (past + 1); the
+    size-generic cat kernel serves it at every check point, output length computed from the inputs."""
+    cat = torch.ops.aten.cat.default
+    calls = [card_from_call(cat, ([torch.randn(b, 2, n, 8), torch.randn(b, 2, 1, 8)], -2), {})[0]
+             for b in (1, 2, 4) for n in (8, 9, 29, 64)]
+    (card,) = families.fold(calls)
+    assert any(d.derived for d in card.family.dims)
+    t = by_name("elementwise.cat")
+    assert t in templates_for(card, "cpu")
+    verdict = familyeval.evaluate(evaluator, card, t.render(card, "cpu", t.default(card, "cpu")), bench=False)
+    assert verdict.accepted, verdict.reason
+    assert len(verdict.diagnostics["family"]["checked"]) == len(families.check_points(card))

@@ -208,3 +208,75 @@ def test_needs_round_trip_json_and_default_is_the_captured_offset():
     shifted = dataclasses.replace(fam.args[0], tensor=dataclasses.replace(fam.args[0].tensor, storage_offset=6))
     card = dataclasses.replace(fam, args=(shifted, *fam.args[1:]))
     assert needs.default(card).align == (Align(16, 8), Align(16, 0))  # 6 floats: 24 bytes, 8 mod 16
+
+
+CACHE_STEPS = [(b, n) for b in (1, 2, 4) for n in (8, 9, 29, 64)]
+
+
+def cache_cat_card():
+    """The decode cache's cat: [f32[b,2,L,8], f32[b,2,1,8]] -> f32[b,2,L+1,8], L + 1 a derived dim."""
+    cat = torch.ops.aten.cat.default
+    calls = [card_from_call(cat, ([torch.randn(b, 2, n, 8), torch.randn(b, 2, 1, 8)], -2), {})[0]
+             for b, n in CACHE_STEPS]
+    (card,) = families.fold(calls)
+    return card
+
+
+CAT_CALLS = r"""
+import json, sys
+import torch
+from forgepack import cards, families
+from forgepack.cards import TensorMeta
+torch.ops.load_library(ROOT + "/shim.so")
+ns = torch.ops.forgepack_cattest
+fam = cards.load(ROOT + "/family.json")
+def meta(t):
+    return TensorMeta(str(t.dtype).removeprefix("torch."), tuple(t.shape), tuple(t.stride()), t.storage_offset())
+cases = {"captured (2, 29)": (2, 29), "unseen length (3, 40)": (3, 40), "range max (4, 64)": (4, 64),
+         "range min (1, 8)": (1, 8), "length above (2, 65)": (2, 65), "length below (2, 7)": (2, 7),
+         "batch above (5, 20)": (5, 20)}
+ns.activate(ROOT, [])
+rows = {}
+for name, (b, n) in cases.items():
+    parts = [torch.randn(b, 2, n, 8), torch.randn(b, 2, 1, 8)]
+    before = list(ns.stats())[0]
+    got = torch.ops.aten.cat.default(parts, -2)
+    hit = list(ns.stats())[0] - before
+    ns.deactivate()
+    ref = torch.ops.aten.cat.default(parts, -2)
+    ns.activate(ROOT, [])
+    rows[name] = {"twin": families.bind(fam, [meta(t) for t in parts]) is not None, "hit": hit,
+                  "same": torch.equal(got, ref) and got.stride() == ref.stride()}
+print(json.dumps(rows))
+"""
+
+
+def test_a_derived_dim_guard_computes_the_output_length_and_serves_unseen_cache_lengths(tmp_path):
+    """The shim's guard binds b and L from the inputs, derives L + 1 for the output it allocates, and
+    serves every cache length in range with the size-generic cat kernel; outside, stock serves."""
+    from forgepack.templates import by_name
+
+    card = cache_cat_card()
+    t = by_name("elementwise.cat")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("FORGEPACK_CACHE", str(tmp_path / "cache"))
+        compiled = compile_kernel(t.render(card, "cpu", t.default(card, "cpu")), "cpu")
+    assert compiled.ok, compiled.log
+    (tmp_path / "kernels").mkdir()
+    shutil.copyfile(compiled.binary, tmp_path / "kernels" / "cat.so")
+    src = tmp_path / "shim.cpp"
+    code = shimgen.generate([shimgen.ShimVariant(card, "kernels/cat.so", t.needs(card, "cpu", {}))],
+                            "forgepack_cattest", "cpu")
+    assert "fpg::derive(" in code
+    src.write_text(code)
+    shimgen.compile_shim(src, tmp_path / "shim.so", [shimgen.SHIM_DIR, shimgen.ABI_DIR])
+    cards.save(card, tmp_path / "family.json")
+    proc = subprocess.run([sys.executable, "-c", f"ROOT = {str(tmp_path)!r}\n{CAT_CALLS}"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)},
+                          check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    for name, row in rows.items():
+        assert row["hit"] == int(row["twin"]) and row["same"], (name, row)
+    assert [name for name, row in rows.items() if row["hit"]] == [
+        "captured (2, 29)", "unseen length (3, 40)", "range max (4, 64)", "range min (1, 8)"]

@@ -153,8 +153,12 @@ def _check_family(card: Card) -> None:
         if any(len(ds) > MAX_STRIDE_DIMS for _, ds in layout.stride):
             raise Unsupported(f"a stride rule of more than {MAX_STRIDE_DIMS} dims")
     bound = {x for lay in fam.inputs if lay is not None for x in lay.shape if isinstance(x, str)}
-    if names - bound:
-        raise Unsupported(f"dims {sorted(names - bound)} are no input's size: the guard cannot bind them")
+    free = {d.name for d in fam.dims if not d.derived}
+    if free - bound:
+        raise Unsupported(f"dims {sorted(free - bound)} are no input's size: the guard cannot bind them")
+    for d in fam.dims:
+        if d.derived and (set(d.base) - bound or d.name in bound):
+            raise Unsupported(f"derived dim {d.name} must be held by no input and sum dims the inputs bind")
 
 
 def unsupported_reason(card: Card, target: str, include_dirs: list[Path] | None = None) -> str | None:
@@ -329,6 +333,13 @@ def _numel_expr(layout: Layout, family: Family, dv: str) -> str:
     return " * ".join([cpp_int(fixed), *(f"{dv}[{index[x]}]" for x in layout.shape if isinstance(x, str))])
 
 
+def _derive_checks(fam: Family, dv: str, ranges: str) -> list[str]:
+    """Each derived dim computed from its bound base dims (`families.complete`), within its range."""
+    index = {d.name: i for i, d in enumerate(fam.dims)}
+    return [f"fpg::derive({dv}[{index[d.name]}], {' + '.join(f'{dv}[{index[b]}]' for b in d.base)} + "
+            f"{cpp_int(d.offset)}, {ranges}[{index[d.name]}])" for d in fam.dims if d.derived]
+
+
 def _size_checks(card: Card, needs: Needs, dv: str) -> list[str]:
     """The needs' divisibility as C++ checks on the bound dims; for an exact card, decided here."""
     fam = card.family
@@ -356,7 +367,7 @@ def _variant_block(v: int, sv: ShimVariant, fs, struct_r: str) -> tuple[list[str
     in_layouts = list(fam.inputs) if fam is not None else []
     consts: list[str] = [f"// variant {v}: {card.id}  {card.signature()}"]
     if fam is not None:
-        consts.append(f"// family: {', '.join(f'{d.name} in {d.min}..{d.max}' for d in fam.dims)}")
+        consts.append(f"// family: {', '.join(d.text() for d in fam.dims)}")
         ranges = ", ".join(f"{{{d.min}, {d.max}}}" for d in fam.dims)
         consts.append(f"constexpr fpg::DimRange v{v}_ranges[] = {{{ranges}}};")
     checks: list[str] = [f"variants[{v}].enabled.load(std::memory_order_relaxed)"]
@@ -407,7 +418,8 @@ def _variant_block(v: int, sv: ShimVariant, fs, struct_r: str) -> tuple[list[str
             for name, values in g.int_lists:
                 consts.append(f"constexpr int64_t {name}[] = {{{', '.join(cpp_int(x) for x in values)}}};")
             checks += g.checks  # values are cheaper than tensors: checked first
-    if fam is not None:  # strides once every dim is bound, then the kernel's divisibility needs
+    if fam is not None:  # derived dims and strides once every dim is bound, then the kernel's needs
+        tensor_checks += _derive_checks(fam, dv, f"v{v}_ranges")
         tensor_checks += stride_checks
     tensor_checks += _size_checks(card, needs, dv)
     outs = []

@@ -179,6 +179,12 @@ inline bool strides_ok(const at::Tensor& t, const FamilySpec& s, const int64_t* 
   return true;
 }
 
+// A derived dim (no input holds it: a cat's output length) from its bound base dims, in its range.
+inline bool derive(int64_t& d, int64_t value, const DimRange& r) {
+  d = value;
+  return value >= r.min && value <= r.max;
+}
+
 template <class List>
 inline bool bind_list(const List& list, const FamilySpec* specs, size_t n, c10::DeviceType device,
                       const DimRange* ranges, int64_t* dv) {
