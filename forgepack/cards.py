@@ -179,6 +179,9 @@ class Dim:
         return f"Dim(name={self.name!r}, min={self.min!r}, max={self.max!r}{extra})"
 
 
+FREE_STRIDE = (-1, ("*",))  # an input axis's stride that follows no rule: any non-negative stride
+
+
 @dataclass(frozen=True)
 class Layout:
     """A tensor's sizes and strides as functions of its family's dims.
@@ -186,7 +189,10 @@ class Layout:
     `shape`: per axis a fixed size (int) or a dim name. `stride`: per axis `(c, dims)`, meaning
     stride = c * product of those dims' values (contiguous, channels-last, transposed and sliced views
     of a contiguous parent all have this form). Every dim a stride names is some tensor's axis size, so
-    a guard can bind each dim from the sizes it sees and then check every stride.
+    a guard can bind each dim from the sizes it sees and then check every stride. An input's axis may
+    be `FREE_STRIDE` instead: a view of a buffer whose row length is no size of the tensor (generate()'s
+    last-token slice of the growing ids), served by kernels that read strides at run time. Its dims
+    entry "*" is no dim, so code that treats a stride with dims as varying stays right.
     """
 
     shape: tuple[int | str, ...]
@@ -202,7 +208,9 @@ class Layout:
         contiguous = all(n == 1 or (c, set(ds)) == (e[0], set(e[1]))
                          for n, (c, ds), e in zip(self.shape, self.stride, reversed(expected), strict=True))
         if not contiguous:
-            text += ":(" + ",".join("*".join([str(c)] * (c != 1 or not ds) + list(ds)) for c, ds in self.stride) + ")"
+            rules = ("*" if (c, ds) == FREE_STRIDE else "*".join([str(c)] * (c != 1 or not ds) + list(ds))
+                     for c, ds in self.stride)
+            text += ":(" + ",".join(rules) + ")"
         return text
 
 

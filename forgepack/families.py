@@ -9,7 +9,9 @@ non-tensor values at different sizes. `fold` turns such a group into one family 
 - an axis that is 1 at some points and more at others must share its dim with another axis, or it
   may be a broadcast at its 1s (variants that broadcast differently are then separate families);
 - each stride is explained as `c * product of dims` (contiguous, channels-last, transposed and sliced
-  views of a contiguous parent); a group whose strides have no such explanation is left unfolded;
+  views of a contiguous parent); an input's stride that has no such explanation is free (any
+  non-negative stride: a slice of a buffer whose row length is no size of the tensor, which a kernel
+  reading strides at run time serves); an output's must have one, else the group is left unfolded;
 - a dim's range is what the points span (capture visits the envelope's corners, so the span is the
   envelope's);
 - a size only an output has is a derived dim, the sum of input dims plus a constant (a cat's length:
@@ -29,7 +31,7 @@ import random
 from collections import defaultdict
 from collections.abc import Iterable
 
-from forgepack.cards import Card, Dim, Family, Layout, TensorMeta
+from forgepack.cards import FREE_STRIDE, Card, Dim, Family, Layout, TensorMeta
 
 MAX_STRIDE_DIMS = 3  # a stride is explained by at most this many dims (a 4-d view's outermost stride)
 
@@ -87,7 +89,18 @@ def _clusters(cards: list[Card]) -> list[list[Card]]:
                 break
         else:
             clusters.append([card])
-    return clusters
+    # A card alone may have met only cards of its own sizes first (a batch-1 step beside another at a
+    # different storage offset: no dim varies between the two); it joins a family found later.
+    kept = []
+    for cluster in clusters:
+        home = None
+        if len(cluster) == 1:
+            home = next((c for c in clusters if len(c) > 1 and explain([*c, *cluster]) is not None), None)
+        if home is None:
+            kept.append(cluster)
+        else:
+            home.extend(cluster)
+    return kept
 
 
 def explain(members: list[Card]) -> Family | None:
@@ -105,6 +118,7 @@ def explain(members: list[Card]) -> Family | None:
     if any(_broadcast_at_some_points(vec, values) for vec in names):
         return None
     dim_values = {name: vec for vec, name in names.items()}
+    n_in = len(members[0].tensor_inputs())
     layouts: list[Layout | None] = []
     for t, meta in enumerate(metas[0]):
         if meta is None:
@@ -114,14 +128,15 @@ def explain(members: list[Card]) -> Family | None:
         strides = []
         for a in range(len(meta.shape)):
             rule = _stride_rule([ms[t].stride[a] for ms in metas], [ms[t].shape[a] for ms in metas], dim_values)
+            if rule is None and t < n_in and all(ms[t].stride[a] >= 0 for ms in metas):
+                rule = FREE_STRIDE  # an input's stride no dims explain: bound by no rule (the kernel reads it)
             if rule is None:
                 return None
             strides.append(rule)
         layouts.append(Layout(shape=shape, stride=tuple(strides)))
-    n_in = len(members[0].tensor_inputs())
     bound = {s for lay in layouts[:n_in] if lay is not None for s in lay.shape if isinstance(s, str)}
     used = {s for lay in layouts if lay is not None for s in lay.shape if isinstance(s, str)}
-    used |= {d for lay in layouts if lay is not None for _, ds in lay.stride for d in ds}
+    used |= {d for lay in layouts if lay is not None for rule in lay.stride if rule != FREE_STRIDE for d in rule[1]}
     derived = {name: _derived_rule(dim_values[name], {b: dim_values[b] for b in sorted(bound)})
                for name in sorted(used - bound)}
     if any(rule is None for rule in derived.values()):
@@ -199,7 +214,8 @@ def layout_meta(layout: Layout, like: TensorMeta, values: dict[str, int]) -> Ten
     """The tensor this layout describes at these dim values (dtype, device, value statistics and the
     storage offset of `like`, the captured member)."""
     shape = tuple(_size(s, values) for s in layout.shape)
-    stride = tuple(c * math.prod(values[d] for d in ds) for c, ds in layout.stride)
+    stride = tuple(like.stride[a] if (c, ds) == FREE_STRIDE else c * math.prod(values[d] for d in ds)
+                   for a, (c, ds) in enumerate(layout.stride))  # a free stride: the captured member's
     return dataclasses.replace(like, shape=shape, stride=stride)
 
 
@@ -317,7 +333,10 @@ def bind(card: Card, metas: list[TensorMeta | None]) -> dict[str, int] | None:
         if layout is None:
             continue
         for (c, ds), n, s in zip(layout.stride, meta.shape, meta.stride, strict=True):
-            if n != 1 and s != c * math.prod(values[d] for d in ds):
+            if (c, ds) == FREE_STRIDE:
+                if s < 0:
+                    return None
+            elif n != 1 and s != c * math.prod(values[d] for d in ds):
                 return None
     return values
 

@@ -141,3 +141,25 @@ def test_a_dynamic_cache_cat_folds_into_one_family_whose_output_length_is_derive
     assert all(p[derived.name] == p[past] + 1 for p in families.check_points(fam))
     again = cards.from_json(cards.to_json(fam))
     assert again == fam and again.id == fam.id
+
+
+def test_a_slice_of_a_growing_buffer_folds_with_a_free_stride_and_batch_1_steps_join_it():
+    """generate()'s last-token slice of the ids, ids[:, -1:], is int64[b,1] with the row stride L of a
+    buffer that grows each step (L is no size of the slice) at offset L - 1. Its row stride follows no
+    rule over dims, so it is free (any non-negative stride, the kernel reads it); and the batch-1 steps,
+    which differ only in storage offset (no dim varies between two of them), join the family too."""
+    from forgepack.capture import card_from_call
+
+    add = torch.ops.aten.add.Tensor
+    steps = [(1, n) for n in (8, 9, 10)] + [(b, n) for b in (2, 4) for n in (8, 9, 29)]
+    calls = [card_from_call(add, (torch.ones(1, 1, dtype=torch.long), torch.zeros(b, n, dtype=torch.long)[:, -1:]),
+                            {})[0] for b, n in steps]
+    (fam,) = families.fold(calls)
+    assert fam.family.inputs[1].stride[0] == cards.FREE_STRIDE and ":(*,1)" in fam.signature()
+    assert len(fam.family.points) == len(steps)
+    unseen = torch.zeros(3, 40, dtype=torch.long)[:, -1:]
+    m = card_from_call(add, (torch.ones(1, 1, dtype=torch.long), unseen), {})[0]
+    assert families.bind(fam, m.tensor_inputs()) == {"d0": 3}
+    assert families.member(fam, {"d0": 3}).tensor_inputs()[1].shape == (3, 1)
+    again = cards.from_json(cards.to_json(fam))
+    assert again == fam and again.id == fam.id

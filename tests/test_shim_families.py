@@ -222,61 +222,96 @@ def cache_cat_card():
     return card
 
 
-CAT_CALLS = r"""
+SERVED_CALLS = r"""
 import json, sys
 import torch
 from forgepack import cards, families
 from forgepack.cards import TensorMeta
 torch.ops.load_library(ROOT + "/shim.so")
-ns = torch.ops.forgepack_cattest
+ns = torch.ops.forgepack_generictest
 fam = cards.load(ROOT + "/family.json")
 def meta(t):
     return TensorMeta(str(t.dtype).removeprefix("torch."), tuple(t.shape), tuple(t.stride()), t.storage_offset())
-cases = {"captured (2, 29)": (2, 29), "unseen length (3, 40)": (3, 40), "range max (4, 64)": (4, 64),
-         "range min (1, 8)": (1, 8), "length above (2, 65)": (2, 65), "length below (2, 7)": (2, 7),
-         "batch above (5, 20)": (5, 20)}
+exec(MAKE)  # defines cases {name: args}, call(args), tensors(args)
 ns.activate(ROOT, [])
 rows = {}
-for name, (b, n) in cases.items():
-    parts = [torch.randn(b, 2, n, 8), torch.randn(b, 2, 1, 8)]
+for name, args in cases.items():
     before = list(ns.stats())[0]
-    got = torch.ops.aten.cat.default(parts, -2)
+    got = call(args)
     hit = list(ns.stats())[0] - before
     ns.deactivate()
-    ref = torch.ops.aten.cat.default(parts, -2)
+    ref = call(args)
     ns.activate(ROOT, [])
-    rows[name] = {"twin": families.bind(fam, [meta(t) for t in parts]) is not None, "hit": hit,
+    rows[name] = {"twin": families.bind(fam, [meta(t) for t in tensors(args)]) is not None, "hit": hit,
                   "same": torch.equal(got, ref) and got.stride() == ref.stride()}
 print(json.dumps(rows))
 """
 
+CAT_CASES = """
+cases = {name: [torch.randn(b, 2, n, 8), torch.randn(b, 2, 1, 8)] for name, (b, n) in {
+    "captured (2, 29)": (2, 29), "unseen length (3, 40)": (3, 40), "range max (4, 64)": (4, 64),
+    "range min (1, 8)": (1, 8), "length above (2, 65)": (2, 65), "length below (2, 7)": (2, 7),
+    "batch above (5, 20)": (5, 20)}.items()}
+call = lambda parts: torch.ops.aten.cat.default(parts, -2)
+tensors = lambda parts: parts
+"""
 
-def test_a_derived_dim_guard_computes_the_output_length_and_serves_unseen_cache_lengths(tmp_path):
-    """The shim's guard binds b and L from the inputs, derives L + 1 for the output it allocates, and
-    serves every cache length in range with the size-generic cat kernel; outside, stock serves."""
+CLONE_CASES = """
+cases = {"captured (2, 9)": torch.zeros(2, 9, dtype=torch.long)[:, -1:],
+         "unseen row stride (3, 40)": torch.arange(120).view(3, 40)[:, -1:],
+         "long rows (2, 77)": torch.arange(154).view(2, 77)[:, -1:],
+         "batch above (5, 9)": torch.arange(45).view(5, 9)[:, -1:],
+         "float (2, 9)": torch.randn(2, 9)[:, -1:]}
+call = lambda x: torch.ops.aten.clone.default(x)
+tensors = lambda x: [x]
+"""
+
+
+def _serve_generic(tmp_path, card, template: str, make: str) -> dict:
+    """The family's size-generic kernel from `template`, behind the generated guard, called in a fresh
+    process at `make`'s cases: per case the twin's answer, the hit, and whether the result is stock's."""
     from forgepack.templates import by_name
 
-    card = cache_cat_card()
-    t = by_name("elementwise.cat")
+    t = by_name(template)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("FORGEPACK_CACHE", str(tmp_path / "cache"))
         compiled = compile_kernel(t.render(card, "cpu", t.default(card, "cpu")), "cpu")
     assert compiled.ok, compiled.log
     (tmp_path / "kernels").mkdir()
-    shutil.copyfile(compiled.binary, tmp_path / "kernels" / "cat.so")
-    src = tmp_path / "shim.cpp"
-    code = shimgen.generate([shimgen.ShimVariant(card, "kernels/cat.so", t.needs(card, "cpu", {}))],
-                            "forgepack_cattest", "cpu")
-    assert "fpg::derive(" in code
-    src.write_text(code)
-    shimgen.compile_shim(src, tmp_path / "shim.so", [shimgen.SHIM_DIR, shimgen.ABI_DIR])
+    shutil.copyfile(compiled.binary, tmp_path / "kernels" / "k.so")
+    code = shimgen.generate([shimgen.ShimVariant(card, "kernels/k.so", t.needs(card, "cpu", {}))],
+                            "forgepack_generictest", "cpu")
+    (tmp_path / "shim.cpp").write_text(code)
+    shimgen.compile_shim(tmp_path / "shim.cpp", tmp_path / "shim.so", [shimgen.SHIM_DIR, shimgen.ABI_DIR])
     cards.save(card, tmp_path / "family.json")
-    proc = subprocess.run([sys.executable, "-c", f"ROOT = {str(tmp_path)!r}\n{CAT_CALLS}"], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)},
-                          check=False)
+    script = f"ROOT = {str(tmp_path)!r}\nMAKE = {make!r}\n{SERVED_CALLS}"
+    proc = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(REPO)}, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(proc.stdout.strip().splitlines()[-1])
     for name, row in rows.items():
         assert row["hit"] == int(row["twin"]) and row["same"], (name, row)
+    return rows
+
+
+def test_a_derived_dim_guard_computes_the_output_length_and_serves_unseen_cache_lengths(tmp_path):
+    """The shim's guard binds b and L from the inputs, derives L + 1 for the output it allocates, and
+    serves every cache length in range with the size-generic cat kernel; outside, stock serves."""
+    card = cache_cat_card()
+    assert "fpg::derive(" in shimgen.generate([shimgen.ShimVariant(card, "k.so")], "forgepack_x", "cpu")
+    rows = _serve_generic(tmp_path, card, "elementwise.cat", CAT_CASES)
     assert [name for name, row in rows.items() if row["hit"]] == [
         "captured (2, 29)", "unseen length (3, 40)", "range max (4, 64)", "range min (1, 8)"]
+
+
+def test_a_free_stride_guard_serves_any_row_stride(tmp_path):
+    """generate()'s last-token slice of the growing ids (int64[b,1], row stride L): the free stride is
+    not checked, so every step's slice hits, served by the size-generic copy reading the stride."""
+    steps = [(b, n) for b in (2, 4) for n in (8, 9, 29)]
+    calls = [card_from_call(torch.ops.aten.clone.default, (torch.zeros(b, n, dtype=torch.long)[:, -1:],), {})[0]
+             for b, n in steps]
+    (card,) = families.fold(calls)
+    assert card.family.inputs[0].stride[0] == cards.FREE_STRIDE
+    rows = _serve_generic(tmp_path, card, "elementwise.copy", CLONE_CASES)
+    assert [name for name, row in rows.items() if row["hit"]] == [
+        "captured (2, 9)", "unseen row stride (3, 40)", "long rows (2, 77)"]

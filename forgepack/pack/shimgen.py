@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from forgepack import needs as needs_mod
-from forgepack.cards import DTYPE_CODES, Arg, Card, Family, Layout, TensorMeta
+from forgepack.cards import DTYPE_CODES, FREE_STRIDE, Arg, Card, Family, Layout, TensorMeta
 from forgepack.families import MAX_STRIDE_DIMS
 from forgepack.needs import Align, Needs
 
@@ -147,7 +147,10 @@ def _check_family(card: Card) -> None:
             continue
         if len(layout.shape) != len(meta.shape) or len(layout.stride) != len(meta.shape):
             raise Unsupported("a family layout's rank is not its tensor's")
-        used = {x for x in layout.shape if isinstance(x, str)} | {d for _, ds in layout.stride for d in ds}
+        if layout in fam.outputs and FREE_STRIDE in layout.stride:
+            raise Unsupported("an output's stride follows no rule: the guard cannot allocate it")
+        used = {x for x in layout.shape if isinstance(x, str)}
+        used |= {d for rule in layout.stride if rule != FREE_STRIDE for d in rule[1]}
         if used - names:
             raise Unsupported(f"a family layout names unknown dims {sorted(used - names)}")
         if any(len(ds) > MAX_STRIDE_DIMS for _, ds in layout.stride):
@@ -314,7 +317,9 @@ def _family_constants(name: str, m: TensorMeta, layout: Layout, family: Family, 
     lines = []
     if layout.shape:
         axes = ", ".join(f"{{{index[x]}, 0}}" if isinstance(x, str) else f"{{-1, {x}}}" for x in layout.shape)
-        rules = ", ".join(f"{{{c}, {len(ds)}, {{{', '.join(str(index[d]) for d in ds)}}}}}" for c, ds in layout.stride)
+        rules = ", ".join("{-1, 0, {}}" if (c, ds) == FREE_STRIDE  # any non-negative stride
+                          else f"{{{c}, {len(ds)}, {{{', '.join(str(index[d]) for d in ds)}}}}}"
+                          for c, ds in layout.stride)
         lines.append(f"constexpr fpg::AxisSize {name}_sizes[] = {{{axes}}};")
         lines.append(f"constexpr fpg::StrideRule {name}_strides[] = {{{rules}}};")
         sizes, strides = f"{name}_sizes", f"{name}_strides"
