@@ -246,3 +246,42 @@ def test_the_decode_cache_cat_family_verifies_at_every_check_point(evaluator):
     verdict = familyeval.evaluate(evaluator, card, t.render(card, "cpu", t.default(card, "cpu")), bench=False)
     assert verdict.accepted, verdict.reason
     assert len(verdict.diagnostics["family"]["checked"]) == len(families.check_points(card))
+
+
+def _integer_families():
+    """generate()'s integer bookkeeping at batch 1..4: the last position + 1 (a slice of the growing
+    position buffer, free row stride), `unfinished * next`, a 0-dim pad times a row, `x + 1`."""
+    long = torch.long
+    add, mul = torch.ops.aten.add.Tensor, torch.ops.aten.mul.Tensor
+    g = torch.Generator().manual_seed(0)
+
+    def ints(*shape):
+        return torch.randint(-(2**40), 2**40, shape, generator=g)
+
+    calls = []
+    for b, n in ((1, 8), (2, 9), (4, 29), (3, 17)):
+        calls.append(card_from_call(add, (torch.ones(1, 1, dtype=long), ints(b, n)[:, -1:]), {})[0])
+        calls.append(card_from_call(mul, (ints(b), ints(b)), {})[0])
+        calls.append(card_from_call(mul, (torch.tensor(7, dtype=long), ints(b)), {})[0])
+        calls.append(card_from_call(add, (ints(b, 1), 1), {})[0])
+    return families.fold(calls)
+
+
+def test_integer_add_and_mul_families_are_exact_at_every_check_point(evaluator):
+    """Integer results are computed in integers (wrapping as aten's), never through float: a float path
+    would round values past 2**24 and fail the exact comparison."""
+    fams = _integer_families()
+    assert len(fams) == 4 and all(c.family is not None for c in fams)
+    t = by_name("elementwise.binary")
+    for card in fams:
+        assert t in templates_for(card, "cpu"), t.supports(card, "cpu")
+        src = t.render(card, "cpu", t.default(card, "cpu"))
+        assert "const int64_t a0 = (int64_t)" in src and "(uint64_t)a0" in src  # loaded and computed as integers
+        verdict = familyeval.evaluate(evaluator, card, src, bench=False)
+        assert verdict.accepted, f"{card.signature()}: {verdict.reason}"
+    exact = card_from_call(torch.ops.aten.add.Tensor, (torch.ones(2, 3, dtype=torch.long), 1), {})[0]
+    assert "family kernels only" in t.supports(exact, "cpu")
+    if shutil.which("nvcc"):
+        card = on_device(fams[1], "cuda")
+        res = compile_kernel(t.render(card, "cuda", t.default(card, "cuda")), "cuda", arch="sm_90")
+        assert res.ok, res.log

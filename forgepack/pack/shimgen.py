@@ -264,6 +264,8 @@ def _arg_guard(t, arg: Arg, p: str, spec: str = "s", bind: str = "") -> _Guard:
         return _Guard([f"fpg::eq({p}, {_MEMORY_FORMATS[v]})"], [])
     if base == BaseTy.str and isinstance(v, str):
         return _Guard([f"fpg::eq_str({p}, {cpp_string(v)})"], [])
+    if base == BaseTy.Device and v == "cpu":  # `.to("cpu")` of a cpu tensor; a cuda index would need the input's
+        return _Guard([f"fpg::is_cpu({p})"], [])
     raise Unsupported(f"argument {arg.name} of type {t} = {v!r}")
 
 

@@ -245,6 +245,7 @@ inline bool list_needs_grad(const List& list) {
 
 // ---- non-tensor arguments -------------------------------------------------------------------------
 
+inline bool is_cpu(const c10::Device& d) { return d.is_cpu(); }
 inline bool eq(int64_t v, int64_t want) { return v == want; }
 inline bool eq(const c10::SymInt& v, int64_t want) {
   auto i = v.maybe_as_int();
