@@ -285,3 +285,26 @@ def test_integer_add_and_mul_families_are_exact_at_every_check_point(evaluator):
         card = on_device(fams[1], "cuda")
         res = compile_kernel(t.render(card, "cuda", t.default(card, "cuda")), "cuda", arch="sm_90")
         assert res.ok, res.log
+
+
+def test_a_family_of_many_points_is_timed_at_a_spread_and_weighs_every_point():
+    """A decode family has a captured point per (batch, cache length): timing each made a build's
+    evaluation scale with the steps generate() ran. A spread of `MAX_TIMED_POINTS` by bytes is timed,
+    every captured point still verified, and each untimed point's eager time (scaled by bytes from the
+    nearest timed one) weighs on that one's speed-up."""
+    cat = torch.ops.aten.cat.default
+    calls = [card_from_call(cat, ([torch.randn(b, 2, n, 8), torch.randn(b, 2, 1, 8)], -2), {})[0]
+             for b in (1, 2, 4) for n in (8, 9, 29, 64)]
+    (card,) = families.fold(calls)
+    points = [dict(p) for p in card.family.points]
+    timed = familyeval.timed_points(card)
+    assert len(points) == 12 and len(timed) == familyeval.MAX_TIMED_POINTS
+    sizes = sorted(familyeval._bytes(card, p) for p in points)
+    assert familyeval._bytes(card, timed[0]) == sizes[0] and familyeval._bytes(card, timed[-1]) == sizes[-1]
+    assert all(p in families.check_points(card) for p in points)  # verified at every captured point
+    verdicts = [(p, _timed(2.0 if k == len(timed) - 1 else 1.0, 10.0)) for k, p in enumerate(timed)]
+    folded = familyeval._folded(card, verdicts, timed, margin=0.05, bench=True, skipped=[])
+    weights = [p["weight"] for p in folded.diagnostics["family"]["points"]]
+    assert sum(weights) == pytest.approx(1.0) and len(weights) == len(timed)
+    assert min(weights) > 0 and max(weights) > 1.5 * min(weights)  # some stand for untimed neighbours too
+    assert folded.speedup == pytest.approx(1 / (1 - weights[-1] + weights[-1] / 2.0))
