@@ -36,7 +36,7 @@ dtype = "float32"
 device = "cpu"
 
 [build]
-budget = 24
+budget = 40  # about one call per servable card: on cpu a family kernel has one parameter point
 proposer = "templates"
 margin = -0.99
 gate = false
@@ -105,10 +105,11 @@ def test_generate_envelope_pack_serves_90_percent_of_its_family_ops_calls(tmp_pa
     stats = res["stats"]
     family_ops = {v["op"] for k, v in stats.items() if "-F" in k}
     assert family_ops, "the pack has no family kernels"
-    hits = sum(v["hits"] for v in stats.values() if v["op"] in family_ops)
-    calls = {}
+    hits, calls = {}, {}
     for v in stats.values():  # an op's calls: one variant's hits + misses (misses count the op's other calls)
         if v["op"] in family_ops:
+            hits[v["op"]] = hits.get(v["op"], 0) + v["hits"]
             calls[v["op"]] = v["hits"] + v["misses"]
     assert sum(v["errors"] for v in stats.values()) == 0
-    assert hits >= 0.9 * sum(calls.values()), (hits, calls)
+    served = {op: f"{hits[op]}/{calls[op]}" for op in calls}
+    assert sum(hits.values()) >= 0.9 * sum(calls.values()), served
