@@ -11,8 +11,11 @@ families for that its kernels served (hits / calls, per op and overall; the issu
 the kernels' errors, and whether each request's tokens are stock's (else the first step that differs).
 Wall seconds per request are printed for orientation only: speed claims come from `bench_serve`.
 
-    # H200, the Llama-1B shape over batch 1-8 and prompts 16-2048 (build and trace in one call)
-    python tools/bench_envelope.py --base llama-1b-decode --batch 1-8 --seq-len 16-2048 --budget 24
+    # H200, the Llama-1B shape over batch 1-8 and prompts 16-2048: build, then the trace on its wheel
+    python tools/bench_envelope.py --base llama-1b-decode --batch 1-8 --seq-len 16-2048 --budget 12 \
+        --no-gate --build-only
+    python tools/bench_envelope.py --base llama-1b-decode --batch 1-8 --seq-len 16-2048 \
+        --pack benchmarks/out/packs/forgepack_pack_llama_1b_decode_envelope-*.whl
     # CPU smoke on tiny-llama
     python tools/bench_envelope.py --base tiny-llama --batch 1-4 --seq-len 8-64 --batches 1,2,4 \\
         --prompt 8,64 --new 4,8 --requests 6 --budget 40 --no-gate
@@ -24,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -184,6 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget", type=int, default=24)
     p.add_argument("--no-gate", action="store_true", help="build without the end-to-end gate")
     p.add_argument("--pack", default=None, help="a built envelope pack's wheel (skips the build)")
+    p.add_argument("--build-only", action="store_true",
+                   help="build, copy the wheel to <out>/packs/ (for a later --pack run), and stop")
     p.add_argument("--batches", default="1,2,4,8", help="trace: batch sizes drawn from")
     p.add_argument("--prompt", default="16,2048", help="trace: prompt lengths, low,high (log-uniform)")
     p.add_argument("--new", default="64,256", help="trace: new tokens, low,high")
@@ -205,6 +211,12 @@ def main(argv: list[str] | None = None) -> int:
         else:
             wheel, built = build(r, root)
         built["wheel"] = wheel.name
+        if args.build_only:
+            kept = Path(os.environ.get("OUT", "benchmarks/out")) / "packs"
+            kept.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(wheel, kept / wheel.name)
+            print(json.dumps({**built, "kept": str(kept / wheel.name)}))
+            return 0
         pack = import_pack(wheel, root)
         with models.quiet_transformers():
             lm = models.load(recipe.concrete(r))
