@@ -148,13 +148,40 @@ class Profile:
     kernels: tuple[str, ...] = ()  # device kernels the profiler saw for one call
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class Dim:
-    """One size that varies across a shape family's members, with the range it is served over."""
+    """One size that varies across a shape family's members, with the range it is served over.
+
+    A derived dim is held by no input: its value is `offset` plus the sum of the `base` dims' values
+    (a cat's output length, past + new; a guard computes it once the inputs bound the base dims)."""
 
     name: str  # "d0", "d1", ...
     min: int
     max: int
+    base: tuple[str, ...] = ()  # derived: value = sum(base dims' values) + offset
+    offset: int = 0
+
+    @property
+    def derived(self) -> bool:
+        return bool(self.base)
+
+    def value(self, values: dict[str, int]) -> int:
+        """A derived dim's value at these base values."""
+        return sum(values[b] for b in self.base) + self.offset
+
+    def text(self) -> str:
+        """`d0 in 1..8`, or for a derived dim `d2=d1+1`."""
+        if not self.derived:
+            return f"{self.name} in {self.min}..{self.max}"
+        offset = f"{self.offset:+d}" if self.offset else ""
+        return f"{self.name}={'+'.join(self.base)}{offset}"
+
+    def __repr__(self) -> str:  # a free dim's repr is what family ids were hashed from before derived dims
+        extra = f", base={self.base!r}, offset={self.offset!r}" if self.derived else ""
+        return f"Dim(name={self.name!r}, min={self.min!r}, max={self.max!r}{extra})"
+
+
+FREE_STRIDE = (-1, ("*",))  # an input axis's stride that follows no rule: any non-negative stride
 
 
 @dataclass(frozen=True)
@@ -164,7 +191,10 @@ class Layout:
     `shape`: per axis a fixed size (int) or a dim name. `stride`: per axis `(c, dims)`, meaning
     stride = c * product of those dims' values (contiguous, channels-last, transposed and sliced views
     of a contiguous parent all have this form). Every dim a stride names is some tensor's axis size, so
-    a guard can bind each dim from the sizes it sees and then check every stride.
+    a guard can bind each dim from the sizes it sees and then check every stride. An input's axis may
+    be `FREE_STRIDE` instead: a view of a buffer whose row length is no size of the tensor (generate()'s
+    last-token slice of the growing ids), served by kernels that read strides at run time. Its dims
+    entry "*" is no dim, so code that treats a stride with dims as varying stays right.
     """
 
     shape: tuple[int | str, ...]
@@ -180,7 +210,9 @@ class Layout:
         contiguous = all(n == 1 or (c, set(ds)) == (e[0], set(e[1]))
                          for n, (c, ds), e in zip(self.shape, self.stride, reversed(expected), strict=True))
         if not contiguous:
-            text += ":(" + ",".join("*".join([str(c)] * (c != 1 or not ds) + list(ds)) for c, ds in self.stride) + ")"
+            rules = ("*" if (c, ds) == FREE_STRIDE else "*".join([str(c)] * (c != 1 or not ds) + list(ds))
+                     for c, ds in self.stride)
+            text += ":(" + ",".join(rules) + ")"
         return text
 
 
@@ -388,7 +420,7 @@ class Card:
                 next(layouts)
             elif a.value is not None:
                 parts.append(f"{a.name}={_short_value(a.value)}")
-        ranges = ", ".join(f"{d.name} in {d.min}..{d.max}" for d in self.family.dims)
+        ranges = ", ".join(d.text() for d in self.family.dims)
         return ", ".join(parts) + " | " + ranges
 
     def with_profile(self, profile: Profile) -> Card:
@@ -507,7 +539,8 @@ def _family(d: dict | None) -> Family | None:
         return Layout(shape=tuple(x["shape"]), stride=tuple((c, tuple(ds)) for c, ds in x["stride"]))
 
     return Family(
-        dims=tuple(Dim(**x) for x in d["dims"]),
+        dims=tuple(Dim(x["name"], x["min"], x["max"], tuple(x.get("base", ())), x.get("offset", 0))
+                   for x in d["dims"]),
         inputs=tuple(layout(x) for x in d["inputs"]),
         outputs=tuple(layout(x) for x in d["outputs"]),
         points=tuple(tuple((n, v) for n, v in p) for p in d.get("points", ())),

@@ -9,9 +9,13 @@ non-tensor values at different sizes. `fold` turns such a group into one family 
 - an axis that is 1 at some points and more at others must share its dim with another axis, or it
   may be a broadcast at its 1s (variants that broadcast differently are then separate families);
 - each stride is explained as `c * product of dims` (contiguous, channels-last, transposed and sliced
-  views of a contiguous parent); a group whose strides have no such explanation is left unfolded;
+  views of a contiguous parent); an input's stride that has no such explanation is free (any
+  non-negative stride: a slice of a buffer whose row length is no size of the tensor, which a kernel
+  reading strides at run time serves); an output's must have one, else the group is left unfolded;
 - a dim's range is what the points span (capture visits the envelope's corners, so the span is the
-  envelope's).
+  envelope's);
+- a size only an output has is a derived dim, the sum of input dims plus a constant (a cat's length:
+  the decode cache's past + 1), computed once the inputs bind its base dims.
 
 `member(card, values)` gives the concrete card at any dim values: what verification, benchmarks and
 tests run. A family card's own `args`/`outputs` are its most-called member, so every stage that reads
@@ -27,7 +31,7 @@ import random
 from collections import defaultdict
 from collections.abc import Iterable
 
-from forgepack.cards import Card, Dim, Family, Layout, TensorMeta
+from forgepack.cards import FREE_STRIDE, Card, Dim, Family, Layout, TensorMeta
 
 MAX_STRIDE_DIMS = 3  # a stride is explained by at most this many dims (a 4-d view's outermost stride)
 
@@ -85,7 +89,18 @@ def _clusters(cards: list[Card]) -> list[list[Card]]:
                 break
         else:
             clusters.append([card])
-    return clusters
+    # A card alone may have met only cards of its own sizes first (a batch-1 step beside another at a
+    # different storage offset: no dim varies between the two); it joins a family found later.
+    kept = []
+    for cluster in clusters:
+        home = None
+        if len(cluster) == 1:
+            home = next((c for c in clusters if len(c) > 1 and explain([*c, *cluster]) is not None), None)
+        if home is None:
+            kept.append(cluster)
+        else:
+            home.extend(cluster)
+    return kept
 
 
 def explain(members: list[Card]) -> Family | None:
@@ -102,8 +117,8 @@ def explain(members: list[Card]) -> Family | None:
         return None  # the same sizes: not a family (equal cards differ elsewhere)
     if any(_broadcast_at_some_points(vec, values) for vec in names):
         return None
-    dims = tuple(Dim(name, min(vec), max(vec)) for vec, name in names.items())
     dim_values = {name: vec for vec, name in names.items()}
+    n_in = len(members[0].tensor_inputs())
     layouts: list[Layout | None] = []
     for t, meta in enumerate(metas[0]):
         if meta is None:
@@ -113,19 +128,45 @@ def explain(members: list[Card]) -> Family | None:
         strides = []
         for a in range(len(meta.shape)):
             rule = _stride_rule([ms[t].stride[a] for ms in metas], [ms[t].shape[a] for ms in metas], dim_values)
+            if rule is None and t < n_in and all(ms[t].stride[a] >= 0 for ms in metas):
+                rule = FREE_STRIDE  # an input's stride no dims explain: bound by no rule (the kernel reads it)
             if rule is None:
                 return None
             strides.append(rule)
         layouts.append(Layout(shape=shape, stride=tuple(strides)))
-    n_in = len(members[0].tensor_inputs())
     bound = {s for lay in layouts[:n_in] if lay is not None for s in lay.shape if isinstance(s, str)}
     used = {s for lay in layouts if lay is not None for s in lay.shape if isinstance(s, str)}
-    used |= {d for lay in layouts if lay is not None for _, ds in lay.stride for d in ds}
-    if used - bound:
-        return None  # a size only an output has (a view's -1): the inputs alone cannot say which member
+    used |= {d for lay in layouts if lay is not None for rule in lay.stride if rule != FREE_STRIDE for d in rule[1]}
+    derived = {name: _derived_rule(dim_values[name], {b: dim_values[b] for b in sorted(bound)})
+               for name in sorted(used - bound)}
+    if any(rule is None for rule in derived.values()):
+        return None  # a size only an output has that no sum of input sizes explains: no guard can bind it
+    dims = tuple(_dim(name, dim_values, derived.get(name)) for name in dim_values)
     points = tuple(tuple((name, dim_values[name][i]) for name in dim_values) for i in range(len(members)))
     return Family(dims=dims, inputs=tuple(layouts[:n_in]), outputs=tuple(layouts[n_in:]), points=points,
                   point_calls=tuple(c.calls for c in members))
+
+
+def _derived_rule(vec: tuple[int, ...], bound: dict[str, tuple[int, ...]]) -> tuple[tuple[str, ...], int] | None:
+    """(base dims, offset) with vec == offset + sum of the base dims' values at every point, one base dim
+    before two; None if there is none. A cat's output length is its inputs' lengths summed: the decode
+    cache's past + 1, or two varying parts."""
+    for r in (1, 2):
+        for combo in itertools.combinations(bound, r):
+            offsets = {v - sum(bound[b][i] for b in combo) for i, v in enumerate(vec)}
+            if len(offsets) == 1:
+                return combo, offsets.pop()
+    return None
+
+
+def _dim(name: str, dim_values: dict[str, tuple[int, ...]], rule: tuple[tuple[str, ...], int] | None) -> Dim:
+    vec = dim_values[name]
+    if rule is None:
+        return Dim(name, min(vec), max(vec))
+    base, offset = rule  # its range follows the base dims' ranges
+    low = sum(min(dim_values[b]) for b in base) + offset
+    high = sum(max(dim_values[b]) for b in base) + offset
+    return Dim(name, low, high, base, offset)
 
 
 def _broadcast_at_some_points(vec: tuple[int, ...], values: dict[tuple, tuple[int, ...]]) -> bool:
@@ -173,7 +214,8 @@ def layout_meta(layout: Layout, like: TensorMeta, values: dict[str, int]) -> Ten
     """The tensor this layout describes at these dim values (dtype, device, value statistics and the
     storage offset of `like`, the captured member)."""
     shape = tuple(_size(s, values) for s in layout.shape)
-    stride = tuple(c * math.prod(values[d] for d in ds) for c, ds in layout.stride)
+    stride = tuple(like.stride[a] if (c, ds) == FREE_STRIDE else c * math.prod(values[d] for d in ds)
+                   for a, (c, ds) in enumerate(layout.stride))  # a free stride: the captured member's
     return dataclasses.replace(like, shape=shape, stride=stride)
 
 
@@ -182,9 +224,10 @@ def member(card: Card, values: dict[str, int]) -> Card:
     family = card.family
     if family is None:
         raise ValueError(f"{card.id} is not a family card")
-    missing = [d.name for d in family.dims if d.name not in values]
+    missing = [d.name for d in family.dims if d.name not in values and not d.derived]
     if missing:
         raise ValueError(f"no value for dim(s) {', '.join(missing)} of {card.id}")
+    values = complete(family, values)
     layouts = iter(family.inputs)
     args = []
     for a in card.args:
@@ -200,6 +243,18 @@ def member(card: Card, values: dict[str, int]) -> Card:
             args.append(a)
     outputs = tuple(layout_meta(lay, o, values) for lay, o in zip(family.outputs, card.outputs, strict=True))
     return dataclasses.replace(card, args=tuple(args), outputs=outputs, family=None, samples=0)
+
+
+def complete(family: Family, values: dict[str, int]) -> dict[str, int]:
+    """`values` with every derived dim computed from its base dims (the free dims' values are given)."""
+    out = {k: v for k, v in values.items() if not family.dim(k).derived}
+    out.update({d.name: d.value(out) for d in family.dims if d.derived})
+    return out
+
+
+def free_dims(family: Family) -> list[Dim]:
+    """The dims the inputs' sizes bind (not derived)."""
+    return [d for d in family.dims if not d.derived]
 
 
 def members_at_points(card: Card) -> list[Card]:
@@ -225,17 +280,18 @@ def check_points(card: Card, seed: int = 0, extra: int = 3) -> list[dict[str, in
     if family is None:
         return []
     rng = random.Random(seed)
+    free = free_dims(family)
     captured = [dict(p) for p in family.points]
-    base = captured[0] if captured else {d.name: d.min for d in family.dims}
+    base = captured[0] if captured else {d.name: d.min for d in free}
     points = list(captured)
-    points.append({d.name: d.min for d in family.dims})
-    points.append({d.name: d.max for d in family.dims})
-    for d in family.dims:  # one dim at a time through its odd and prime sizes, the others as captured
+    points.append({d.name: d.min for d in free})
+    points.append({d.name: d.max for d in free})
+    for d in free:  # one dim at a time through its odd and prime sizes, the others as captured
         points.extend({**base, d.name: v} for v in _candidates(d))
     for _ in range(extra):
-        points.append({d.name: rng.randint(d.min, d.max) for d in family.dims})
+        points.append({d.name: rng.randint(d.min, d.max) for d in free})
     seen, out = set(), []
-    for p in points:
+    for p in (complete(family, p) for p in points):
         key = tuple(sorted(p.items()))
         if key not in seen:
             seen.add(key)
@@ -267,14 +323,20 @@ def bind(card: Card, metas: list[TensorMeta | None]) -> dict[str, int] | None:
                     return None
             elif values.setdefault(want, got) != got:
                 return None
-    for d in family.dims:
+    for d in free_dims(family):
         if d.name not in values or not d.min <= values[d.name] <= d.max:
             return None
+    values = complete(family, values)
+    if any(not d.min <= values[d.name] <= d.max for d in family.dims):
+        return None
     for layout, meta in zip(family.inputs, metas, strict=True):
         if layout is None:
             continue
         for (c, ds), n, s in zip(layout.stride, meta.shape, meta.stride, strict=True):
-            if n != 1 and s != c * math.prod(values[d] for d in ds):
+            if (c, ds) == FREE_STRIDE:
+                if s < 0:
+                    return None
+            elif n != 1 and s != c * math.prod(values[d] for d in ds):
                 return None
     return values
 
@@ -283,4 +345,4 @@ def describe(card: Card) -> str:
     """Short human form of a family: its dims and ranges, e.g. `d0 in 1..8, d1 in 16..2048`."""
     if card.family is None:
         return ""
-    return ", ".join(f"{d.name} in {d.min}..{d.max}" for d in card.family.dims)
+    return ", ".join(d.text() for d in card.family.dims)

@@ -9,7 +9,8 @@ failing member's verdict is the family's, its sizes named in the reason. A check
 stock PyTorch itself refuses (a fold that unified a broadcast size-1 axis with a real one) is no member
 of the op's domain: it is skipped, and listed in `diagnostics["family"]["skipped"]`.
 
-Timed at the captured points (the envelope's own mix of sizes), the family's speed-up is the
+Timed at the captured points (the envelope's own mix of sizes; past `MAX_TIMED_POINTS`, a spread of
+them by bytes, each untimed point's weight given to the nearest timed one), the family's speed-up is the
 envelope-weighted figure: with `w_i` the share of the family's eager time at point i
 (`Family.point_weights` when profile set them, else calls x eager time), speed-up = 1 / sum(w_i / s_i),
 the ratio of eager to kernel time summed over the envelope; the interval's ends are combined the same
@@ -55,6 +56,7 @@ def evaluate_compiled(evaluator: Evaluator, card: Card, compiled: CompileResult,
     say = progress or (lambda _stage: None)
     rep = families.bind(card, card.tensor_inputs())
     captured = [dict(p) for p in card.family.points]
+    timed_at = timed_points(card)
     points = families.check_points(card)
     verdicts: list[tuple[dict, Verdict]] = []
     skipped: list[dict] = []
@@ -63,7 +65,7 @@ def evaluate_compiled(evaluator: Evaluator, card: Card, compiled: CompileResult,
         samples = None
         if values == rep and samples_path is not None and card.samples:
             member, samples = dataclasses.replace(member, samples=card.samples), samples_path
-        timed = bench and values in captured
+        timed = bench and values in timed_at
         say(f"member {k + 1}/{len(points)}: {_sizes(values)}")
         try:
             if not verdicts:  # the static checks of source and object, once
@@ -78,7 +80,27 @@ def evaluate_compiled(evaluator: Evaluator, card: Card, compiled: CompileResult,
         if verdict.category not in (TIMED_OK if timed else (None,)):
             return _failed(verdict, values, member, k, len(points))
         verdicts.append((values, verdict))
-    return _folded(card, verdicts, captured, margin, bench, skipped)
+    return _folded(card, verdicts, timed_at, margin, bench, skipped)
+
+
+MAX_TIMED_POINTS = 6  # a decode family has a captured point per (batch, cache length): time a spread
+
+
+def _bytes(card: Card, values: dict[str, int]) -> int:
+    m = families.member(card, values)
+    return sum(t.numel * t.itemsize for t in [*m.tensor_inputs(), *m.outputs] if t is not None)
+
+
+def timed_points(card: Card) -> list[dict[str, int]]:
+    """The captured points a family kernel is timed at: all of them, or past `MAX_TIMED_POINTS` a spread
+    from the smallest to the largest by bytes moved (each untimed point's weight goes to the timed point
+    nearest it in bytes, `_weights`). Every captured point is still verified."""
+    captured = [dict(p) for p in card.family.points]
+    if len(captured) <= MAX_TIMED_POINTS:
+        return captured
+    by_size = sorted(captured, key=lambda v: _bytes(card, v))
+    last = len(by_size) - 1
+    return [by_size[round(k * last / (MAX_TIMED_POINTS - 1))] for k in range(MAX_TIMED_POINTS)]
 
 
 def _sizes(values: dict[str, int]) -> str:
@@ -131,12 +153,22 @@ def _calls(card: Card, values: dict) -> int:
 
 
 def _weights(card: Card, timed: list[tuple[dict, Verdict]]) -> list[float]:
-    """Each timed point's share of the family's eager time over the envelope."""
+    """Each timed point's share of the family's eager time over the envelope: its own, plus that of the
+    untimed captured points nearest it in bytes (their eager time scaled from it by bytes)."""
     fam = card.family
-    if fam.point_weights and len(fam.point_weights) == len(fam.points):
-        raw = [fam.point_weights[[dict(p) for p in fam.points].index(values)] for values, _ in timed]
-    else:
-        raw = [max(_calls(card, values), 1) * v.eager_us for values, v in timed]
+    points = [dict(p) for p in fam.points]
+    size = {i: _bytes(card, values) for i, values in enumerate(points)}
+    timed_size = [_bytes(card, values) for values, _ in timed]
+    raw = [0.0] * len(timed)
+    for i, values in enumerate(points):
+        j = next((k for k, (v, _) in enumerate(timed) if v == values), None)
+        if j is None:
+            j = min(range(len(timed)), key=lambda k: abs(timed_size[k] - size[i]))
+        if fam.point_weights and len(fam.point_weights) == len(points):
+            raw[j] += fam.point_weights[i]
+        else:
+            calls = fam.point_calls[i] if i < len(fam.point_calls) else 0
+            raw[j] += max(calls, 1) * timed[j][1].eager_us * size[i] / max(timed_size[j], 1)
     total = sum(raw)
     return [w / total for w in raw] if total > 0 else [1.0 / len(timed)] * len(timed)
 

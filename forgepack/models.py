@@ -284,20 +284,28 @@ def _preparer(recipe: Recipe, sizes: dict[str, int], model, device, dtype) -> Ca
 
 
 def _generate_run(recipe: Recipe, sizes: dict[str, int], model, device) -> Callable[[], Any]:
-    """A greedy `generate()` of `new_tokens` tokens (never fewer: random weights may emit end-of-text)
-    from a random prompt of this batch and length, with the default dynamic cache."""
+    """A greedy `generate()` of `new_tokens` tokens from a random prompt of this batch and length."""
+    ids = generate_prompt(model, sizes, device)
+    return lambda: generate(model, ids, recipe.workload.new_tokens)
+
+
+def generate_prompt(model, sizes: dict[str, int], device) -> torch.Tensor:
+    """The random prompt an envelope point's `generate()` runs (seeded by its batch and length)."""
     gen = torch.Generator().manual_seed(1234 + 31 * sizes["batch"] + sizes["seq_len"])
     vocab = model.config.get_text_config().vocab_size
-    ids = torch.randint(0, vocab, (sizes["batch"], sizes["seq_len"]), generator=gen).to(device)
-    n = recipe.workload.new_tokens
+    return torch.randint(0, vocab, (sizes["batch"], sizes["seq_len"]), generator=gen).to(device)
+
+
+def generate(model, ids: torch.Tensor, new_tokens: int, logits: bool = False) -> Any:
+    """Greedy `generate()` of exactly `new_tokens` tokens (never fewer: random weights may emit
+    end-of-text) with the default dynamic cache; the token ids, or with `logits` the generate output
+    whose `.logits` holds each step's [batch, vocab] logits."""
     pad = getattr(model.generation_config, "pad_token_id", None)
     pad = pad if pad is not None else 0
-
-    def run() -> Any:
-        with torch.no_grad():
-            return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
-                                  min_new_tokens=n, do_sample=False, pad_token_id=pad)
-    return run
+    extra = {"output_logits": True, "return_dict_in_generate": True} if logits else {}
+    with torch.no_grad():
+        return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                              min_new_tokens=new_tokens, do_sample=False, pad_token_id=pad, **extra)
 
 
 def _build(recipe: Recipe, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:

@@ -117,3 +117,49 @@ def test_a_dim_that_is_1_at_some_points_is_kept_where_its_axes_agree():
     (fam,) = families.fold(calls)
     assert [(d.min, d.max) for d in fam.family.dims] == [(1, 4)]
     assert fam.family.inputs[0].shape == ("d0", 1, 64)
+
+
+def test_a_dynamic_cache_cat_folds_into_one_family_whose_output_length_is_derived():
+    """DynamicCache appends one step's keys: cat([f32[b,2,L,8], f32[b,2,1,8]], -2) -> f32[b,2,L+1,8]. The
+    output's length is no input's size; folded as a derived dim (L + 1) the steps of every cache length
+    are one family, whose members (and the guard twin) compute the output length from the inputs."""
+    from forgepack.capture import card_from_call
+
+    cat = torch.ops.aten.cat.default
+    steps = [(b, n) for b in (1, 2, 4) for n in (8, 9, 10, 29, 64)]
+    calls = [card_from_call(cat, ([torch.randn(b, 2, n, 8), torch.randn(b, 2, 1, 8)], -2), {})[0] for b, n in steps]
+    (fam,) = families.fold(calls)
+    dims = {d.name: d for d in fam.family.dims}
+    (derived,) = [d for d in dims.values() if d.derived]
+    (past,) = derived.base
+    assert derived.offset == 1 and (derived.min, derived.max) == (dims[past].min + 1, dims[past].max + 1)
+    assert fam.family.outputs[0].shape[2] == derived.name and f"{derived.name}={past}+1" in fam.signature()
+    unseen = {d.name: 3 for d in dims.values() if not d.derived} | {past: 40}
+    m = families.member(fam, unseen)
+    assert m.outputs[0].shape == (3, 2, 41, 8) and m.outputs[0].stride == (656, 328, 8, 1)
+    assert families.bind(fam, m.tensor_inputs()) == {**unseen, derived.name: 41}
+    assert all(p[derived.name] == p[past] + 1 for p in families.check_points(fam))
+    again = cards.from_json(cards.to_json(fam))
+    assert again == fam and again.id == fam.id
+
+
+def test_a_slice_of_a_growing_buffer_folds_with_a_free_stride_and_batch_1_steps_join_it():
+    """generate()'s last-token slice of the ids, ids[:, -1:], is int64[b,1] with the row stride L of a
+    buffer that grows each step (L is no size of the slice) at offset L - 1. Its row stride follows no
+    rule over dims, so it is free (any non-negative stride, the kernel reads it); and the batch-1 steps,
+    which differ only in storage offset (no dim varies between two of them), join the family too."""
+    from forgepack.capture import card_from_call
+
+    add = torch.ops.aten.add.Tensor
+    steps = [(1, n) for n in (8, 9, 10)] + [(b, n) for b in (2, 4) for n in (8, 9, 29)]
+    calls = [card_from_call(add, (torch.ones(1, 1, dtype=torch.long), torch.zeros(b, n, dtype=torch.long)[:, -1:]),
+                            {})[0] for b, n in steps]
+    (fam,) = families.fold(calls)
+    assert fam.family.inputs[1].stride[0] == cards.FREE_STRIDE and ":(*,1)" in fam.signature()
+    assert len(fam.family.points) == len(steps)
+    unseen = torch.zeros(3, 40, dtype=torch.long)[:, -1:]
+    m = card_from_call(add, (torch.ones(1, 1, dtype=torch.long), unseen), {})[0]
+    assert families.bind(fam, m.tensor_inputs()) == {"d0": 3}
+    assert families.member(fam, {"d0": 3}).tensor_inputs()[1].shape == (3, 1)
+    again = cards.from_json(cards.to_json(fam))
+    assert again == fam and again.id == fam.id

@@ -231,3 +231,80 @@ def test_generic_cuda_kernels_verify_at_every_check_point_on_the_gpu(fams):
         verdict = familyeval.evaluate(ev, card, t.render(card, "cuda", t.default(card, "cuda")), bench=True)
         assert verdict.category in (None, "slower"), verdict.reason
         assert len(verdict.diagnostics["family"]["points"]) == 4  # a speed-up per captured row count
+
+
+def test_the_decode_cache_cat_family_verifies_at_every_check_point(evaluator):
+    """The decode cache's cat folds into one family whose output length is derived (past + 1); the
+    size-generic cat kernel serves it at every check point, output length computed from the inputs."""
+    cat = torch.ops.aten.cat.default
+    calls = [card_from_call(cat, ([torch.randn(b, 2, n, 8), torch.randn(b, 2, 1, 8)], -2), {})[0]
+             for b in (1, 2, 4) for n in (8, 9, 29, 64)]
+    (card,) = families.fold(calls)
+    assert any(d.derived for d in card.family.dims)
+    t = by_name("elementwise.cat")
+    assert t in templates_for(card, "cpu")
+    verdict = familyeval.evaluate(evaluator, card, t.render(card, "cpu", t.default(card, "cpu")), bench=False)
+    assert verdict.accepted, verdict.reason
+    assert len(verdict.diagnostics["family"]["checked"]) == len(families.check_points(card))
+
+
+def _integer_families():
+    """generate()'s integer bookkeeping at batch 1..4: the last position + 1 (a slice of the growing
+    position buffer, free row stride), `unfinished * next`, a 0-dim pad times a row, `x + 1`."""
+    long = torch.long
+    add, mul = torch.ops.aten.add.Tensor, torch.ops.aten.mul.Tensor
+    g = torch.Generator().manual_seed(0)
+
+    def ints(*shape):
+        return torch.randint(-(2**40), 2**40, shape, generator=g)
+
+    calls = []
+    for b, n in ((1, 8), (2, 9), (4, 29), (3, 17)):
+        calls.append(card_from_call(add, (torch.ones(1, 1, dtype=long), ints(b, n)[:, -1:]), {})[0])
+        calls.append(card_from_call(mul, (ints(b), ints(b)), {})[0])
+        calls.append(card_from_call(mul, (torch.tensor(7, dtype=long), ints(b)), {})[0])
+        calls.append(card_from_call(add, (ints(b, 1), 1), {})[0])
+    return families.fold(calls)
+
+
+def test_integer_add_and_mul_families_are_exact_at_every_check_point(evaluator):
+    """Integer results are computed in integers (wrapping as aten's), never through float: a float path
+    would round values past 2**24 and fail the exact comparison."""
+    fams = _integer_families()
+    assert len(fams) == 4 and all(c.family is not None for c in fams)
+    t = by_name("elementwise.binary")
+    for card in fams:
+        assert t in templates_for(card, "cpu"), t.supports(card, "cpu")
+        src = t.render(card, "cpu", t.default(card, "cpu"))
+        assert "const int64_t a0 = (int64_t)" in src and "(uint64_t)a0" in src  # loaded and computed as integers
+        verdict = familyeval.evaluate(evaluator, card, src, bench=False)
+        assert verdict.accepted, f"{card.signature()}: {verdict.reason}"
+    exact = card_from_call(torch.ops.aten.add.Tensor, (torch.ones(2, 3, dtype=torch.long), 1), {})[0]
+    assert "family kernels only" in t.supports(exact, "cpu")
+    if shutil.which("nvcc"):
+        card = on_device(fams[1], "cuda")
+        res = compile_kernel(t.render(card, "cuda", t.default(card, "cuda")), "cuda", arch="sm_90")
+        assert res.ok, res.log
+
+
+def test_a_family_of_many_points_is_timed_at_a_spread_and_weighs_every_point():
+    """A decode family has a captured point per (batch, cache length): timing each made a build's
+    evaluation scale with the steps generate() ran. A spread of `MAX_TIMED_POINTS` by bytes is timed,
+    every captured point still verified, and each untimed point's eager time (scaled by bytes from the
+    nearest timed one) weighs on that one's speed-up."""
+    cat = torch.ops.aten.cat.default
+    calls = [card_from_call(cat, ([torch.randn(b, 2, n, 8), torch.randn(b, 2, 1, 8)], -2), {})[0]
+             for b in (1, 2, 4) for n in (8, 9, 29, 64)]
+    (card,) = families.fold(calls)
+    points = [dict(p) for p in card.family.points]
+    timed = familyeval.timed_points(card)
+    assert len(points) == 12 and len(timed) == familyeval.MAX_TIMED_POINTS
+    sizes = sorted(familyeval._bytes(card, p) for p in points)
+    assert familyeval._bytes(card, timed[0]) == sizes[0] and familyeval._bytes(card, timed[-1]) == sizes[-1]
+    assert all(p in families.check_points(card) for p in points)  # verified at every captured point
+    verdicts = [(p, _timed(2.0 if k == len(timed) - 1 else 1.0, 10.0)) for k, p in enumerate(timed)]
+    folded = familyeval._folded(card, verdicts, timed, margin=0.05, bench=True, skipped=[])
+    weights = [p["weight"] for p in folded.diagnostics["family"]["points"]]
+    assert sum(weights) == pytest.approx(1.0) and len(weights) == len(timed)
+    assert min(weights) > 0 and max(weights) > 1.5 * min(weights)  # some stand for untimed neighbours too
+    assert folded.speedup == pytest.approx(1 / (1 - weights[-1] + weights[-1] / 2.0))

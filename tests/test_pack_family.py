@@ -17,6 +17,7 @@ from pack_kernels import MUL, _record, tiny_llama_workspace
 from rich.console import Console
 from test_shim_families import FAMILY_NEEDS, family_card
 
+from forgepack import families
 from forgepack.accepted import save_all
 from forgepack.cli.inspect import read_manifest, variants_table
 from forgepack.evaluate import Evaluator
@@ -76,4 +77,4 @@ def test_the_runtime_counts_a_family_variants_hits_and_inspect_lists_it(staged, 
     assert stats == {fam.id: {"op": "aten.mul.Tensor", "hits": 2, "misses": 2, "errors": 0}}
     text = io.StringIO()
     Console(file=text, width=250).print(variants_table(manifest))
-    assert fam.id in text.getvalue()
+    assert fam.id in text.getvalue() and families.describe(fam) in text.getvalue()  # the family's ranges

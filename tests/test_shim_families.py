@@ -208,3 +208,130 @@ def test_needs_round_trip_json_and_default_is_the_captured_offset():
     shifted = dataclasses.replace(fam.args[0], tensor=dataclasses.replace(fam.args[0].tensor, storage_offset=6))
     card = dataclasses.replace(fam, args=(shifted, *fam.args[1:]))
     assert needs.default(card).align == (Align(16, 8), Align(16, 0))  # 6 floats: 24 bytes, 8 mod 16
+
+
+CACHE_STEPS = [(b, n) for b in (1, 2, 4) for n in (8, 9, 29, 64)]
+
+
+def cache_cat_card():
+    """The decode cache's cat: [f32[b,2,L,8], f32[b,2,1,8]] -> f32[b,2,L+1,8], L + 1 a derived dim."""
+    cat = torch.ops.aten.cat.default
+    calls = [card_from_call(cat, ([torch.randn(b, 2, n, 8), torch.randn(b, 2, 1, 8)], -2), {})[0]
+             for b, n in CACHE_STEPS]
+    (card,) = families.fold(calls)
+    return card
+
+
+SERVED_CALLS = r"""
+import json, sys
+import torch
+from forgepack import cards, families
+from forgepack.cards import TensorMeta
+torch.ops.load_library(ROOT + "/shim.so")
+ns = torch.ops.forgepack_generictest
+fam = cards.load(ROOT + "/family.json")
+def meta(t):
+    return TensorMeta(str(t.dtype).removeprefix("torch."), tuple(t.shape), tuple(t.stride()), t.storage_offset())
+exec(MAKE)  # defines cases {name: args}, call(args), tensors(args)
+ns.activate(ROOT, [])
+rows = {}
+for name, args in cases.items():
+    before = list(ns.stats())[0]
+    got = call(args)
+    hit = list(ns.stats())[0] - before
+    ns.deactivate()
+    ref = call(args)
+    ns.activate(ROOT, [])
+    rows[name] = {"twin": families.bind(fam, [meta(t) for t in tensors(args)]) is not None, "hit": hit,
+                  "same": torch.equal(got, ref) and got.stride() == ref.stride()}
+print(json.dumps(rows))
+"""
+
+CAT_CASES = """
+cases = {name: [torch.randn(b, 2, n, 8), torch.randn(b, 2, 1, 8)] for name, (b, n) in {
+    "captured (2, 29)": (2, 29), "unseen length (3, 40)": (3, 40), "range max (4, 64)": (4, 64),
+    "range min (1, 8)": (1, 8), "length above (2, 65)": (2, 65), "length below (2, 7)": (2, 7),
+    "batch above (5, 20)": (5, 20)}.items()}
+call = lambda parts: torch.ops.aten.cat.default(parts, -2)
+tensors = lambda parts: parts
+"""
+
+CLONE_CASES = """
+cases = {"captured (2, 9)": torch.zeros(2, 9, dtype=torch.long)[:, -1:],
+         "unseen row stride (3, 40)": torch.arange(120).view(3, 40)[:, -1:],
+         "long rows (2, 77)": torch.arange(154).view(2, 77)[:, -1:],
+         "batch above (5, 9)": torch.arange(45).view(5, 9)[:, -1:],
+         "float (2, 9)": torch.randn(2, 9)[:, -1:]}
+call = lambda x: torch.ops.aten.clone.default(x)
+tensors = lambda x: [x]
+"""
+
+
+def _serve_generic(tmp_path, card, template: str, make: str, value_misses: tuple[str, ...] = ()) -> dict:
+    """The family's size-generic kernel from `template`, behind the generated guard, called in a fresh
+    process at `make`'s cases: per case the twin's answer, the hit, and whether the result is stock's.
+    `value_misses`: cases whose non-tensor values differ from the card's (the twin sees tensors only)."""
+    from forgepack.templates import by_name
+
+    t = by_name(template)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("FORGEPACK_CACHE", str(tmp_path / "cache"))
+        compiled = compile_kernel(t.render(card, "cpu", t.default(card, "cpu")), "cpu")
+    assert compiled.ok, compiled.log
+    (tmp_path / "kernels").mkdir()
+    shutil.copyfile(compiled.binary, tmp_path / "kernels" / "k.so")
+    code = shimgen.generate([shimgen.ShimVariant(card, "kernels/k.so", t.needs(card, "cpu", {}))],
+                            "forgepack_generictest", "cpu")
+    (tmp_path / "shim.cpp").write_text(code)
+    shimgen.compile_shim(tmp_path / "shim.cpp", tmp_path / "shim.so", [shimgen.SHIM_DIR, shimgen.ABI_DIR])
+    cards.save(card, tmp_path / "family.json")
+    script = f"ROOT = {str(tmp_path)!r}\nMAKE = {make!r}\n{SERVED_CALLS}"
+    proc = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(REPO)}, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    for name, row in rows.items():
+        assert row["hit"] == int(row["twin"] and name not in value_misses) and row["same"], (name, row)
+    return rows
+
+
+def test_a_derived_dim_guard_computes_the_output_length_and_serves_unseen_cache_lengths(tmp_path):
+    """The shim's guard binds b and L from the inputs, derives L + 1 for the output it allocates, and
+    serves every cache length in range with the size-generic cat kernel; outside, stock serves."""
+    card = cache_cat_card()
+    assert "fpg::derive(" in shimgen.generate([shimgen.ShimVariant(card, "k.so")], "forgepack_x", "cpu")
+    rows = _serve_generic(tmp_path, card, "elementwise.cat", CAT_CASES)
+    assert [name for name, row in rows.items() if row["hit"]] == [
+        "captured (2, 29)", "unseen length (3, 40)", "range max (4, 64)", "range min (1, 8)"]
+
+
+def test_a_free_stride_guard_serves_any_row_stride(tmp_path):
+    """generate()'s last-token slice of the growing ids (int64[b,1], row stride L): the free stride is
+    not checked, so every step's slice hits, served by the size-generic copy reading the stride."""
+    steps = [(b, n) for b in (2, 4) for n in (8, 9, 29)]
+    calls = [card_from_call(torch.ops.aten.clone.default, (torch.zeros(b, n, dtype=torch.long)[:, -1:],), {})[0]
+             for b, n in steps]
+    (card,) = families.fold(calls)
+    assert card.family.inputs[0].stride[0] == cards.FREE_STRIDE
+    rows = _serve_generic(tmp_path, card, "elementwise.copy", CLONE_CASES)
+    assert [name for name, row in rows.items() if row["hit"]] == [
+        "captured (2, 9)", "unseen row stride (3, 40)", "long rows (2, 77)"]
+
+
+TO_COPY_CASES = """
+cases = {"device cpu (3, 256)": (torch.randn(3, 256), torch.device("cpu")),
+         "no device (3, 256)": (torch.randn(3, 256), None)}
+call = lambda a: torch.ops.aten._to_copy.default(a[0], dtype=torch.float32, device=a[1])
+tensors = lambda a: [a[0]]
+"""
+
+
+def test_a_cpu_device_argument_is_guarded(tmp_path):
+    """generate()'s `logits.to(copy=True, dtype=float32, device=cpu)`: `_to_copy` with a device argument
+    was unservable; the guard checks it is the cpu (its twin `bind` sees tensors only)."""
+    calls = [card_from_call(torch.ops.aten._to_copy.default, (torch.randn(b, 256),),
+                            {"dtype": torch.float32, "device": torch.device("cpu")})[0] for b in (1, 2, 4)]
+    (card,) = families.fold(calls)
+    assert shimgen.unsupported_reason(card, "cpu") is None
+    rows = _serve_generic(tmp_path, card, "elementwise.copy", TO_COPY_CASES, value_misses=("no device (3, 256)",))
+    assert rows["device cpu (3, 256)"]["hit"] == 1 and rows["no device (3, 256)"]["hit"] == 0

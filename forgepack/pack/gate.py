@@ -7,7 +7,11 @@ Run in a subprocess (`python -m forgepack.pack.gate`), so the build process neve
    same places; for causal LMs the greedy tokens of a 32-token continuation must be the same (a
    divergence is accepted only where stock's two candidates were tied within that tolerance). A kernel
    that fails alone is dropped; if the rest still fails together, all are dropped.
-2. Use: a kernel whose guard never fires during a forward is dropped (it only costs guard checks).
+2. Use: a kernel whose guard never fires is dropped (it only costs guard checks). The use runs are the
+   forward and, for a serving envelope, every capture point (phase generate: a whole generate(), its
+   prefill and decode steps; the decode families fire only there). For phase generate the tokens of
+   step 1 are generate()'s at every point, and step 3 times whole generate() calls at the envelope's
+   largest corner, eagerly.
 3. Pay (mode "full"): model time with the pack, without it, and without each kernel in turn, in
    interleaved rounds (order shuffled per round); a kernel is kept only when the paired bootstrap 95%
    interval of (model time without it) / (with it) lies above 1: on a launch-bound model, a kernel
@@ -86,7 +90,7 @@ def interval(low: float, high: float) -> str:
 class GateOutcome:
     kept: tuple[str, ...]
     dropped: dict[str, str]  # variant id -> why
-    hits: dict[str, int] = field(default_factory=dict)  # per forward, before drops
+    hits: dict[str, int] = field(default_factory=dict)  # over the use runs (`use_runs`), before drops
     ratios: dict[str, tuple[float, float, float]] = field(default_factory=dict)  # id -> (without/with, lo, hi)
     outputs: dict[str, Any] = field(default_factory=dict)
     summary: GateSummary = field(default_factory=GateSummary)  # the kept pack against stock
@@ -141,7 +145,8 @@ def pack_text(timing: Timing) -> str:
 
 def decide_use(ids: list[str], hits: dict[str, int]) -> tuple[list[str], dict[str, str]]:
     kept = [i for i in ids if hits.get(i, 0) > 0]
-    dropped = {i: "never used: its guard matched no call of the model's forward" for i in ids if i not in kept}
+    dropped = {i: "never used: its guard matched no call of the forward or of the envelope's runs" for i in ids
+               if i not in kept}
     return kept, dropped
 
 
@@ -223,9 +228,59 @@ def check_tokens(lm, pack, ids: set[str] | None) -> tuple[bool, str]:
 def check_correct(lm, pack, ids: set[str] | None, input_sets: list[dict], tokens: bool) -> tuple[bool, str]:
     ok, note, _ = compare_outputs(lm, pack, ids, input_sets)
     if ok and tokens:
-        ok, token_note = check_tokens(lm, pack, ids)
+        ok, token_note = check_generate(lm, pack, ids) if is_generate(lm) else check_tokens(lm, pack, ids)
         note = f"{note}; {token_note}"
     return ok, note
+
+
+# --- a serving envelope ------------------------------------------------------------------------------------
+# A pack built for an envelope serves every point of it: the use check runs each capture point, and for
+# phase generate the tokens are compared and the time is taken over whole generate() calls (prefill and
+# decode steps), not over the representative prefill alone, whose calls no decode family sees.
+
+
+def is_generate(lm) -> bool:
+    return lm.recipe.workload.phase == "generate" and bool(lm.points)
+
+
+def use_runs(lm) -> list[Callable[[], Any]]:
+    """What the use check runs: the representative forward, then every capture point of the envelope
+    (phase generate: a whole generate(), its prefill and every decode step)."""
+    return [lm.run, *(point.prepare() for point in lm.points)]
+
+
+def check_generate(lm, pack, ids: set[str] | None) -> tuple[bool, str]:
+    """At every capture point of a generate envelope, generate()'s tokens with the pack are stock's; a
+    divergence is accepted only where stock's top two were tied within the model tolerance."""
+    from forgepack import models
+
+    n, rtol = lm.recipe.workload.new_tokens, model_rtol(lm)
+    points = [dict(p.sizes) for p in lm.points]
+    for sizes in points:
+        prompt = models.generate_prompt(lm.model, sizes, lm.device)
+        pack.deactivate()
+        stock = models.generate(lm.model, prompt, n, logits=True)
+        pack.activate(strict=True)
+        pack.enable_only(ids)
+        got = models.generate(lm.model, prompt, n)
+        start = prompt.shape[1]
+        logits = [step.double().cpu() for step in stock.logits]
+        ok, note = greedy_agree(stock.sequences[:, start:].tolist(), got[:, start:].tolist(), logits, rtol)
+        if not ok:
+            return False, f"generate() at batch {sizes['batch']}, prompt {sizes['seq_len']}: {note}"
+    return True, f"generate() gives stock's {n} tokens at {len(points)} envelope points"
+
+
+def timed_step(lm) -> Callable[[], Any]:
+    """What one timed forward runs: the representative forward, or for phase generate a whole generate()
+    at the envelope's largest corner (its prefill and decode steps, as the pack will be served)."""
+    if not is_generate(lm):
+        return lm.run
+    from forgepack import models
+
+    prompt = models.generate_prompt(lm.model, models.representative(lm.recipe.workload), lm.device)
+    n = lm.recipe.workload.new_tokens
+    return lambda: models.generate(lm.model, prompt, n)
 
 
 def check_graphs(lm, pack, ids: set[str]) -> GraphVerdict:
@@ -274,10 +329,12 @@ def _without_graph_breakers(lm, pack, keep: list[str], verdict: GraphVerdict, dr
 
 
 def count_hits(lm, pack, ids: list[str]) -> dict[str, int]:
+    """Each kernel's hits over `use_runs`: the representative forward and every envelope point."""
     pack.activate(strict=True)
     pack.enable_only(set(ids))
     before = pack.stats()
-    lm.run()
+    for run in use_runs(lm):
+        run()
     after = pack.stats()
     return {i: after[i]["hits"] - before[i]["hits"] for i in ids}
 
@@ -289,10 +346,11 @@ class _Forward:
     def __init__(self, lm, pack, graphed: bool):
         self.lm, self.pack, self.graphed = lm, pack, graphed
         self._graphs: dict[str, Any] = {}
+        self._step = None if graphed else timed_step(lm)
 
     def __call__(self, name: str) -> None:
         if not self.graphed:
-            self.lm.run()
+            self._step()
             return
         import torch
 
@@ -454,7 +512,8 @@ def evaluate(lm, pack, mode: str, rounds: int = ROUNDS, reps: int = REPS,
     if first is not None and mode == "full":
         # Mode "verify" drops nothing: its verdict goes into the manifest, graph mode off if it failed.
         keep, verdict = _without_graph_breakers(lm, pack, keep, verdict, dropped)
-    timer = Timer(rounds, reps, clock, bool(verdict and verdict.enabled))
+    # generate() is timed eagerly: one graph per configuration replays a forward, not a generate() loop
+    timer = Timer(rounds, reps, clock, bool(verdict and verdict.enabled) and not is_generate(lm))
     if mode == "full" and keep:
         kept_now, slow, ratios = _each_pays(lm, pack, keep, timer, "under CUDA graph replay", verdict)
         dropped.update(slow)

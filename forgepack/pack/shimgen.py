@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from forgepack import needs as needs_mod
-from forgepack.cards import DTYPE_CODES, Arg, Card, Family, Layout, TensorMeta
+from forgepack.cards import DTYPE_CODES, FREE_STRIDE, Arg, Card, Family, Layout, TensorMeta
 from forgepack.families import MAX_STRIDE_DIMS
 from forgepack.needs import Align, Needs
 
@@ -147,14 +147,21 @@ def _check_family(card: Card) -> None:
             continue
         if len(layout.shape) != len(meta.shape) or len(layout.stride) != len(meta.shape):
             raise Unsupported("a family layout's rank is not its tensor's")
-        used = {x for x in layout.shape if isinstance(x, str)} | {d for _, ds in layout.stride for d in ds}
+        if layout in fam.outputs and FREE_STRIDE in layout.stride:
+            raise Unsupported("an output's stride follows no rule: the guard cannot allocate it")
+        used = {x for x in layout.shape if isinstance(x, str)}
+        used |= {d for rule in layout.stride if rule != FREE_STRIDE for d in rule[1]}
         if used - names:
             raise Unsupported(f"a family layout names unknown dims {sorted(used - names)}")
         if any(len(ds) > MAX_STRIDE_DIMS for _, ds in layout.stride):
             raise Unsupported(f"a stride rule of more than {MAX_STRIDE_DIMS} dims")
     bound = {x for lay in fam.inputs if lay is not None for x in lay.shape if isinstance(x, str)}
-    if names - bound:
-        raise Unsupported(f"dims {sorted(names - bound)} are no input's size: the guard cannot bind them")
+    free = {d.name for d in fam.dims if not d.derived}
+    if free - bound:
+        raise Unsupported(f"dims {sorted(free - bound)} are no input's size: the guard cannot bind them")
+    for d in fam.dims:
+        if d.derived and (set(d.base) - bound or d.name in bound):
+            raise Unsupported(f"derived dim {d.name} must be held by no input and sum dims the inputs bind")
 
 
 def unsupported_reason(card: Card, target: str, include_dirs: list[Path] | None = None) -> str | None:
@@ -257,6 +264,8 @@ def _arg_guard(t, arg: Arg, p: str, spec: str = "s", bind: str = "") -> _Guard:
         return _Guard([f"fpg::eq({p}, {_MEMORY_FORMATS[v]})"], [])
     if base == BaseTy.str and isinstance(v, str):
         return _Guard([f"fpg::eq_str({p}, {cpp_string(v)})"], [])
+    if base == BaseTy.Device and v == "cpu":  # `.to("cpu")` of a cpu tensor; a cuda index would need the input's
+        return _Guard([f"fpg::is_cpu({p})"], [])
     raise Unsupported(f"argument {arg.name} of type {t} = {v!r}")
 
 
@@ -310,7 +319,9 @@ def _family_constants(name: str, m: TensorMeta, layout: Layout, family: Family, 
     lines = []
     if layout.shape:
         axes = ", ".join(f"{{{index[x]}, 0}}" if isinstance(x, str) else f"{{-1, {x}}}" for x in layout.shape)
-        rules = ", ".join(f"{{{c}, {len(ds)}, {{{', '.join(str(index[d]) for d in ds)}}}}}" for c, ds in layout.stride)
+        rules = ", ".join("{-1, 0, {}}" if (c, ds) == FREE_STRIDE  # any non-negative stride
+                          else f"{{{c}, {len(ds)}, {{{', '.join(str(index[d]) for d in ds)}}}}}"
+                          for c, ds in layout.stride)
         lines.append(f"constexpr fpg::AxisSize {name}_sizes[] = {{{axes}}};")
         lines.append(f"constexpr fpg::StrideRule {name}_strides[] = {{{rules}}};")
         sizes, strides = f"{name}_sizes", f"{name}_strides"
@@ -327,6 +338,13 @@ def _numel_expr(layout: Layout, family: Family, dv: str) -> str:
     index = {d.name: i for i, d in enumerate(family.dims)}
     fixed = math.prod(x for x in layout.shape if isinstance(x, int))
     return " * ".join([cpp_int(fixed), *(f"{dv}[{index[x]}]" for x in layout.shape if isinstance(x, str))])
+
+
+def _derive_checks(fam: Family, dv: str, ranges: str) -> list[str]:
+    """Each derived dim computed from its bound base dims (`families.complete`), within its range."""
+    index = {d.name: i for i, d in enumerate(fam.dims)}
+    return [f"fpg::derive({dv}[{index[d.name]}], {' + '.join(f'{dv}[{index[b]}]' for b in d.base)} + "
+            f"{cpp_int(d.offset)}, {ranges}[{index[d.name]}])" for d in fam.dims if d.derived]
 
 
 def _size_checks(card: Card, needs: Needs, dv: str) -> list[str]:
@@ -356,7 +374,7 @@ def _variant_block(v: int, sv: ShimVariant, fs, struct_r: str) -> tuple[list[str
     in_layouts = list(fam.inputs) if fam is not None else []
     consts: list[str] = [f"// variant {v}: {card.id}  {card.signature()}"]
     if fam is not None:
-        consts.append(f"// family: {', '.join(f'{d.name} in {d.min}..{d.max}' for d in fam.dims)}")
+        consts.append(f"// family: {', '.join(d.text() for d in fam.dims)}")
         ranges = ", ".join(f"{{{d.min}, {d.max}}}" for d in fam.dims)
         consts.append(f"constexpr fpg::DimRange v{v}_ranges[] = {{{ranges}}};")
     checks: list[str] = [f"variants[{v}].enabled.load(std::memory_order_relaxed)"]
@@ -407,7 +425,8 @@ def _variant_block(v: int, sv: ShimVariant, fs, struct_r: str) -> tuple[list[str
             for name, values in g.int_lists:
                 consts.append(f"constexpr int64_t {name}[] = {{{', '.join(cpp_int(x) for x in values)}}};")
             checks += g.checks  # values are cheaper than tensors: checked first
-    if fam is not None:  # strides once every dim is bound, then the kernel's divisibility needs
+    if fam is not None:  # derived dims and strides once every dim is bound, then the kernel's needs
+        tensor_checks += _derive_checks(fam, dv, f"v{v}_ranges")
         tensor_checks += stride_checks
     tensor_checks += _size_checks(card, needs, dv)
     outs = []

@@ -377,7 +377,8 @@ class PointwiseTemplate(Template):
                     for slot, m in enumerate(arg(card, "tensors").tensors)]
         else:
             jobs = [generic.GenericJob(j.out_slot, j.out.dtype, j.in_slots, tuple(v.dtype for v in j.ins), j.expr,
-                                       exact=isinstance(self, CopyTemplate)) for j in plan]
+                                       exact=isinstance(self, CopyTemplate),
+                                       integer=j.out.dtype in INTEGERS and j.expr is not None) for j in plan]
         return FamilyPlan(plan, tuple(jobs))
 
     def family_axes(self, plan, target):
@@ -523,14 +524,54 @@ class StreamingTemplate(PointwiseTemplate):
         return {**point, **{k: axes[k][0] for k in ("ld", "st", "order") if k in axes}}
 
 
+INTEGERS = ("int64", "int32")  # integer results served (size-generic family kernels only)
+
+
+def _integer_literal(v: int) -> str:
+    return "(uint64_t)INT64_MIN" if v == -(2**63) else f"(uint64_t)(int64_t)({v}LL)"
+
+
+def integer_binary_plan(card: Card, self_arg, other_arg):
+    """Integer add/sub/mul, as generate()'s bookkeeping calls them (positions, finished rows): exact in
+    the result's dtype, wrapping in two's complement as aten does (computed in uint64_t, where C++
+    defines the wrap). Family cards only: the exact-shape renders compute in float, and their
+    integer calls are too few to be worth a kernel of their own."""
+    out = card.outputs[0]
+    op = card.op.split(".")[1]
+    if card.family is None:
+        return "integer results are served by size-generic family kernels only"
+    if op not in ("add", "sub", "mul"):
+        return f"integer {op} is not served (true division gives a float)"
+    alpha = value(card, "alpha", 1)
+    if isinstance(alpha, bool) or not isinstance(alpha, int):
+        return "alpha is not an integer"
+    metas, operands = [], []
+    for a in (self_arg, other_arg):
+        if a.kind == "tensor" and a.tensor.dtype == out.dtype:
+            operands.append(f"(uint64_t)a{len(metas)}")
+            metas.append(a.tensor)
+        elif a.kind == "value" and isinstance(a.value, int) and not isinstance(a.value, bool):
+            operands.append(_integer_literal(a.value))
+        else:
+            return f"operand {a.name} is not a {out.dtype} tensor or an integer"
+    x, y = operands
+    if op in ("add", "sub") and alpha != 1:
+        y = f"({_integer_literal(alpha)} * {y})"
+    expr = f"({x} {dict(add='+', sub='-', mul='*')[op]} {y})"
+    job = make_job(out, 0, metas, list(range(len(metas))), expr)
+    return [job] if job else "operands do not broadcast to the output"
+
+
 class BinaryTemplate(StreamingTemplate):
     def plan(self, card: Card, target: str):
         out = card.outputs[0]
-        if out.dtype not in FLOATS:
-            return "binary templates compute float32/float16/bfloat16 results only"
         self_arg, other_arg = arg(card, "self"), arg(card, "other")
         if self_arg is None or self_arg.kind != "tensor" or other_arg is None:
             return "self must be a tensor"
+        if out.dtype in INTEGERS:
+            return integer_binary_plan(card, self_arg, other_arg)
+        if out.dtype not in FLOATS:
+            return "binary templates compute float32/float16/bfloat16 (and family int64/int32) results only"
         alpha = value(card, "alpha", 1)
         if isinstance(alpha, bool) or not isinstance(alpha, int | float):
             return "alpha is not a real number"

@@ -186,6 +186,9 @@ def _cpu_job(k: int, job) -> str:
     def stmt(idx: list[str]) -> str:
         if job.expr is None:
             return f"y_[{idx[0]}] = x0_[{idx[1]}];"
+        if job.integer:
+            loads = " ".join(f"const int64_t a{i} = (int64_t)x{i}_[{idx[i + 1]}];" for i in range(nin))
+            return f"{loads} y_[{idx[0]}] = ({out_t})(int64_t)({job.expr});"
         loads = " ".join(f"const float a{i} = fp_ld(x{i}_[{idx[i + 1]}]);" for i in range(nin))
         return f"{loads} y_[{idx[0]}] = fp_st<{out_t}>({job.expr});"
 
@@ -221,8 +224,14 @@ def _cuda_job(k: int, job) -> str:
                      f"x{i} = *reinterpret_cast<const fp_vec<{t}, VEC>*>(p.in{s} + o_[{i + 1}]);\n"
                      f"    else {{ const {t} b_ = p.in{s}[o_[{i + 1}]];\n#pragma unroll\n"
                      f"      for (int j = 0; j < VEC; ++j) x{i}.v[j] = b_; }}")
-        convs.append(f"const float a{i} = fp_ld(x{i}.v[j]);")
-    compute = "y_.v[j] = x0.v[j];" if job.expr is None else " ".join(convs) + f" y_.v[j] = fp_st<{out_t}>({job.expr});"
+        load = f"(int64_t)x{i}.v[j]" if job.integer else f"fp_ld(x{i}.v[j])"
+        convs.append(f"const {'int64_t' if job.integer else 'float'} a{i} = {load};")
+    if job.expr is None:
+        compute = "y_.v[j] = x0.v[j];"
+    elif job.integer:
+        compute = " ".join(convs) + f" y_.v[j] = ({out_t})(int64_t)({job.expr});"
+    else:
+        compute = " ".join(convs) + f" y_.v[j] = fp_st<{out_t}>({job.expr});"
     return f"""
 template <typename I, int VEC>
 __global__ void __launch_bounds__(BLOCK) fp_gjob{k}(const fp_args p, const fp_geom g) {{
@@ -331,3 +340,4 @@ class GenericJob:
     in_dtypes: tuple[str, ...]
     expr: str | None
     exact: bool = False  # inputs must have the output's sizes (copies), not merely broadcast to them
+    integer: bool = False  # expr in integers (operands loaded as int64_t, uint64_t arithmetic), not in float

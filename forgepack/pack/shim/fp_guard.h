@@ -118,7 +118,8 @@ struct AxisSize {
   int64_t size;
 };
 
-// stride = c * dv[dims[0]] * ... * dv[dims[n - 1]].
+// stride = c * dv[dims[0]] * ... * dv[dims[n - 1]]; c < 0: any non-negative stride (an input's free
+// stride, cards.FREE_STRIDE: the kernel reads it).
 struct StrideRule {
   int64_t c;
   int32_t n;
@@ -174,9 +175,19 @@ inline bool strides_ok(const at::Tensor& t, const FamilySpec& s, const int64_t* 
   const c10::TensorImpl* impl = t.unsafeGetTensorImpl();
   c10::IntArrayRef sizes = impl->sizes(), strides = impl->strides();
   for (int32_t a = 0; a < s.ndim; ++a) {
-    if (sizes[a] != 1 && strides[a] != stride_of(s.strides[a], dv)) return false;
+    if (s.strides[a].c < 0) {
+      if (strides[a] < 0) return false;
+    } else if (sizes[a] != 1 && strides[a] != stride_of(s.strides[a], dv)) {
+      return false;
+    }
   }
   return true;
+}
+
+// A derived dim (no input holds it: a cat's output length) from its bound base dims, in its range.
+inline bool derive(int64_t& d, int64_t value, const DimRange& r) {
+  d = value;
+  return value >= r.min && value <= r.max;
 }
 
 template <class List>
@@ -234,6 +245,7 @@ inline bool list_needs_grad(const List& list) {
 
 // ---- non-tensor arguments -------------------------------------------------------------------------
 
+inline bool is_cpu(const c10::Device& d) { return d.is_cpu(); }
 inline bool eq(int64_t v, int64_t want) { return v == want; }
 inline bool eq(const c10::SymInt& v, int64_t want) {
   auto i = v.maybe_as_int();

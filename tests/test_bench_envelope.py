@@ -1,0 +1,48 @@
+"""tools/bench_envelope.py: the share of a mixed generate() trace's calls an envelope pack serves, counted
+from the pack's own stats(); its CPU mode end to end on tiny-llama (a real build, a real trace)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+TOOLS = Path(__file__).resolve().parent.parent / "tools"
+
+
+def test_served_counts_every_kernel_of_an_op_once_against_its_calls(monkeypatch):
+    monkeypatch.syspath_prepend(str(TOOLS))
+    import bench_envelope
+
+    before = {"aten.mul.Tensor-Fa": {"op": "aten.mul.Tensor", "hits": 5, "misses": 5, "errors": 0},
+              "aten.mul.Tensor-b": {"op": "aten.mul.Tensor", "hits": 1, "misses": 9, "errors": 0},
+              "aten.mm.default-c": {"op": "aten.mm.default", "hits": 0, "misses": 10, "errors": 0}}
+    after = {"aten.mul.Tensor-Fa": {"op": "aten.mul.Tensor", "hits": 65, "misses": 45, "errors": 1},
+             "aten.mul.Tensor-b": {"op": "aten.mul.Tensor", "hits": 21, "misses": 89, "errors": 0},
+             "aten.mm.default-c": {"op": "aten.mm.default", "hits": 4, "misses": 16, "errors": 0}}
+    # 100 mul calls: 60 by the family, 20 by the exact kernel; mm has no family: not counted
+    assert bench_envelope.served(before, after) == {"aten.mul.Tensor": {"calls": 100, "hits": 80, "errors": 1}}
+    assert bench_envelope.share(bench_envelope.served(before, after)) == pytest.approx(0.8)
+
+
+@pytest.mark.slow
+def test_cpu_mode_builds_an_envelope_pack_and_counts_what_it_serves(tmp_path):
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "FORGEPACK_HOME": str(tmp_path / "home"),
+           "FORGEPACK_CACHE": str(tmp_path / "cache")}
+    cmd = [sys.executable, str(TOOLS / "bench_envelope.py"), "--base", "tiny-llama", "--target", "cpu",
+           "--batch", "1-2", "--seq-len", "8-16", "--capture-new", "3", "--budget", "8", "--no-gate",
+           "--batches", "1,2", "--prompt", "8,16", "--new", "3,5", "--requests", "3"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1800, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = tmp_path / "out" / "results"
+    data = json.loads((results / "bench_envelope-tiny_llama_envelope.json").read_text())
+    assert data["build"]["gate"] == "skipped" and data["recipe"]["workload"]["phase"] == "generate"
+    assert len(data["requests"]) == 3 and data["same_tokens"]
+    assert data["ops"] and data["served"] > 0
+    assert all(d["errors"] == 0 for d in data["ops"].values())
+    md = (results / "bench_envelope-tiny_llama_envelope.md").read_text()
+    assert "served: **" in md and data["commit"] in md
