@@ -122,6 +122,7 @@ def one_arm(arm: str, r: recipe.Recipe, profiled: Path, root: Path, args: argpar
         result = search.run()
         summary = executor.summary()
         evaluators = executor.evaluators
+        phases = [ph.to_json() for ph in executor.phases.items()]
         probe_s = dispatch_latency(executor, ws.load_cards()[0], args.probes)
     finally:
         search.store.close()
@@ -139,7 +140,8 @@ def one_arm(arm: str, r: recipe.Recipe, profiled: Path, root: Path, args: argpar
     return {"arm": arm, "kind": kind, "evaluators": evaluators, "summary": summary, "startup_s": startup_s,
             "wall_s": result.wall_s, "evaluated": result.evaluated, "per_minute": per_min,
             "s_per_candidate": result.wall_s / max(1, result.evaluated), "accepted": accepted,
-            "stopped": result.stopped, "load_before": before, "load_after": after, "dispatch_s": probe_s}
+            "stopped": result.stopped, "load_before": before, "load_after": after, "dispatch_s": probe_s,
+            "phases": phases}
 
 
 def median(values: list[float]) -> float:
@@ -193,6 +195,27 @@ def comparisons(arms: list[dict]) -> dict:
     return out
 
 
+PHASES = ("compile_s", "compiler_s", "wait_s", "call_s", "evaluate_s", "finish_s")
+
+
+def phase_table(arms: list[dict]) -> str:
+    """Per arm, the mean of each phase per candidate (the search's search s / candidate beside it): what
+    an executor adds is the call beyond the evaluator's own time, and the evaluators' idle time."""
+    rows = []
+    for a in arms:
+        phases = a.get("phases") or []
+        if not phases:
+            continue
+        n = len(phases)
+        mean = {k: sum(p[k] for p in phases) / n for k in PHASES}
+        idle = max(0.0, a["wall_s"] * a["evaluators"] - sum(p["call_s"] for p in phases)) / n
+        rows.append([a["arm"], a["repeat"], n, *(f"{1e3 * mean[k]:.0f}" for k in PHASES),
+                     f"{1e3 * (mean['call_s'] - mean['evaluate_s']):.0f}", f"{1e3 * idle:.0f}"])
+    headers = ["arm", "repeat", "n", "compile ms", "compiler ms", "wait ms", "call ms", "evaluate ms",
+               "finish ms", "call - evaluate ms", "evaluator idle ms"]
+    return "mean phases per candidate (driver's clock):\n\n" + tabulate(rows, headers=headers, tablefmt="github")
+
+
 def markdown(info: dict, data: dict) -> str:
     rows = []
     for a in data["arms"]:
@@ -232,6 +255,7 @@ def markdown(info: dict, data: dict) -> str:
     if not c["same_accepted"]:
         for name, missing in c["accepted_differences"].items():
             text += f"  - {name} lacks {missing}\n"
+    text += "\n" + phase_table(data["arms"]) + "\n"
     text += "\nload (uptime) before / after each arm:\n\n"
     for a in data["arms"]:
         if "skipped" not in a:
