@@ -1,14 +1,14 @@
 """The build loop: allocator -> tree -> proposer -> store -> executor -> store, until the budget is spent.
 
-One call at a time is decided, while up to ``executor.slots`` candidates compile and evaluate in the
-background. What a decision sees does not depend on timing: results are taken in the order their
-candidates were submitted, and a call is decided with exactly the last ``lag - 1`` candidates submitted
-still unknown (fewer at the start, and after a decision that found no card worth a call, which waits
-for one more result), ``lag`` being the executor's slots when the search
-starts, not its later, measured pace. A result that arrives early waits for the ones before it. So
-the same verdicts give the same calls, the same candidates and the same accepted kernels on any
-executor with the same slots, however the candidates' evaluations overlap or finish (a build on two
-evaluators, with more in flight, is a different, equally deterministic search). Order of writes, for `kill -9`:
+One call at a time is decided, while up to ``lag`` candidates compile and evaluate in the background.
+What a decision sees does not depend on timing: results are taken in the order their candidates were
+submitted, and a call is decided with exactly the last ``lag - 1`` candidates submitted still unknown
+(fewer at the start, and after a decision that found no card worth a call, which waits for one more
+result). ``lag`` is the executor's slots when the search starts (not its later, measured pace) plus
+one per evaluator beyond the first. A result that arrives early waits for the ones before it. So the
+same verdicts give the same calls, the same candidates and the same accepted kernels on any executor
+with the same slots and evaluators, however the candidates' evaluations overlap or finish (a build on
+two evaluators, with more in flight, is a different, equally deterministic search). Order of writes, for `kill -9`:
 source file, then call + pending candidate (one transaction), then the verdict. On start, the trees are
 rebuilt from the store and pending candidates are evaluated before anything new is proposed; the budget
 counts the calls already in the store (per proposer), and dollars across all calls.
@@ -273,7 +273,9 @@ class Search:
 
     def run(self) -> SearchResult:
         started = time.monotonic()
-        self.lag = max(1, int(self.executor.slots))
+        # one more in flight per extra evaluator: when results finish out of order, the evaluator that
+        # finished early still has a candidate to take while the search waits for the oldest
+        self.lag = max(1, int(self.executor.slots)) + max(0, int(getattr(self.executor, "evaluators", 1)) - 1)
         for cand in self._rebuild():
             self._submit(cand)
         if self.inflight:
