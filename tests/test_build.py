@@ -31,6 +31,7 @@ from forgepack.search import run
 from forgepack.search.executor import LocalExecutor
 from forgepack.search.proposers import Proposal, make
 from forgepack.search.store import Store
+from forgepack.search.tree import Node, clearly_faster
 from forgepack.workspace import Workspace
 
 BROKEN = '#include "forgepack_abi.h"\nFP_EXPORT int32_t forgepack_kernel(const fp_call* call) { return oops; }\n'
@@ -117,11 +118,12 @@ def test_build_tiny_llama_with_templates(profiled, tmp_path):
         assert all(c.proposer.startswith("templates:") for c in cands)
         assert all((ws.root / c.source_path).is_file() for c in cands)
     kept = accepted_mod.load_all(ws.root)
-    by_card = {}
-    for c in cands:
-        if c.accepted:
-            by_card[c.card_id] = max(by_card.get(c.card_id, 0.0), c.speedup)
-    assert {k.card_id: k.speedup for k in kept} == by_card  # the best accepted candidate per card
+    by_card: dict = {}  # the best accepted candidate per card: the earliest unless a later one is clearly faster
+    for c in sorted(cands, key=lambda c: c.id):
+        node = Node(c.id, speedup=c.speedup, ci_low=c.ci_low, ci_high=c.ci_high)
+        if c.accepted and (c.card_id not in by_card or clearly_faster(node, by_card[c.card_id])):
+            by_card[c.card_id] = node
+    assert {k.card_id: k.speedup for k in kept} == {card: n.speedup for card, n in by_card.items()}
     for k in kept:
         assert (ws.root / k.binary).is_file() and (ws.root / k.source).is_file() and k.target == "cpu"
     # the same command again: nothing left to spend, nothing evaluated again

@@ -122,3 +122,28 @@ def test_lineage_and_notes():
     assert t.feedback(t.nodes[2]) == ["the reply had no fenced code block"]
     assert t.best() is t.nodes[2]
     assert t.counts() == {"accepted": 2}
+
+
+def test_best_keeps_the_earlier_kernel_unless_a_later_one_is_faster_beyond_the_noise():
+    """Which of two equally fast kernels a card keeps must not depend on timing noise: the earlier
+    (in proposal order) stays, whichever measured a hair faster, and whatever order verdicts came in."""
+    def record(t: Tree, cid: int, speedup: float, low: float, high: float) -> None:
+        t.record(cid, accepted=True, category=None, speedup=speedup, ci_low=low, ci_high=high)
+
+    for order in ([1, 2, 3], [3, 2, 1]):
+        t = Tree("c", ceiling=4.0)
+        for cid in (1, 2, 3):
+            t.add(cid, None, "templates:t", {"i": cid})
+        measured = {1: (1.30, 1.24, 1.35), 2: (1.34, 1.29, 1.40), 3: (1.31, 1.20, 1.45)}
+        for cid in order:
+            record(t, cid, *measured[cid])
+        assert t.best() is t.nodes[1]  # 2 and 3 are within 1's noise: a tie, the earliest stays
+    t = Tree("c", ceiling=4.0)
+    for cid, m in {1: (1.30, 1.24, 1.35), 2: (1.50, 1.40, 1.58), 3: (1.52, 1.45, 1.60)}.items():
+        t.add(cid, None, "templates:t", {"i": cid})
+        record(t, cid, *m)
+    assert t.best() is t.nodes[2]  # clearly faster than 1; 3 ties with 2
+    # an interval that reaches the incumbent's is no replacement, nor a faster one by less than DRIFT
+    a = tree_mod.Node(1, speedup=2.0, ci_low=1.999, ci_high=2.001)
+    assert not tree_mod.clearly_faster(tree_mod.Node(2, speedup=2.03, ci_low=2.02, ci_high=2.04), a)
+    assert tree_mod.clearly_faster(tree_mod.Node(2, speedup=2.05, ci_low=2.04, ci_high=2.06), a)

@@ -21,8 +21,10 @@ Arms whose executor cannot run here (no `ray` installed) are reported as skipped
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -37,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import benchlib
 
-from forgepack import pipeline, recipe, workspace
+from forgepack import intervals, pipeline, recipe, workspace
 from forgepack.search import run
 from forgepack.search.executor import LocalExecutor, visible_devices
 from forgepack.search.proposers import make
@@ -116,12 +118,19 @@ def one_arm(arm: str, r: recipe.Recipe, profiled: Path, root: Path, args: argpar
     t0 = time.monotonic()
     executor = make_arm_executor(kind, count, r.target.device, arch, r.build.margin, options, cache)
     startup_s = time.monotonic() - t0
-    settings = run.Settings(budget=args.budget, target=r.target.device, arch=arch, margin=r.build.margin)
+    settings = run.Settings(budget=args.budget, target=r.target.device, arch=arch, margin=r.build.margin,
+                            strategy=args.strategy)
     search = run.Search(ws, ws.load_cards(), make("templates", target=r.target.device), executor, settings)
     try:
+        began = time.time()
         result = search.run()
+        done = sorted((c for c in search.store.candidates() if c.state == "evaluated"), key=lambda c: c.id)
+        ends = [began] + [c.evaluated for c in done]
+        slots = [b - a for a, b in itertools.pairwise(ends)]  # each candidate's share of the wall time
+        sources = [c.source_hash[:16] for c in done]
         summary = executor.summary()
         evaluators = executor.evaluators
+        phases = [ph.to_json() for ph in executor.phases.items()]
         probe_s = dispatch_latency(executor, ws.load_cards()[0], args.probes)
     finally:
         search.store.close()
@@ -139,7 +148,8 @@ def one_arm(arm: str, r: recipe.Recipe, profiled: Path, root: Path, args: argpar
     return {"arm": arm, "kind": kind, "evaluators": evaluators, "summary": summary, "startup_s": startup_s,
             "wall_s": result.wall_s, "evaluated": result.evaluated, "per_minute": per_min,
             "s_per_candidate": result.wall_s / max(1, result.evaluated), "accepted": accepted,
-            "stopped": result.stopped, "load_before": before, "load_after": after, "dispatch_s": probe_s}
+            "stopped": result.stopped, "load_before": before, "load_after": after, "dispatch_s": probe_s,
+            "phases": phases, "slots_s": slots, "sources": sources}
 
 
 def median(values: list[float]) -> float:
@@ -165,12 +175,28 @@ def aggregate(arms: list[dict]) -> dict[str, dict]:
     return out
 
 
+def per_candidate_ratio(num: dict, den: dict) -> dict:
+    """mean s/candidate of `num` over `den`'s, with a 95% bootstrap interval over candidates, pooled
+    over repeats: paired (candidate k against candidate k) when both evaluated the same sources in the
+    same order, repeat by repeat (the search is deterministic: it should), else unpaired."""
+    pairs = list(zip(num["runs"], den["runs"], strict=False))
+    paired = all(a.get("sources") and a.get("sources") == b.get("sources") for a, b in pairs)
+    a = [x for run_a, _ in pairs for x in run_a.get("slots_s", [])]
+    b = [x for _, run_b in pairs for x in run_b.get("slots_s", [])]
+    if not a or not b:
+        return {}
+    ratio = statistics.fmean(a) / statistics.fmean(b)
+    low, high = intervals.bootstrap_ratio_ci(a, b, paired=paired, statistic=statistics.fmean)
+    return {"ratio": ratio, "ci": (low, high), "paired": paired, "candidates": (len(a), len(b))}
+
+
 def comparisons(arms: list[dict]) -> dict:
     ran = aggregate(arms)
     out: dict[str, Any] = {}
     local1, ray1 = ran.get("local:1"), ran.get("ray:1")
     if local1 and ray1:
         out["ray_overhead_per_candidate"] = ray1["s_per_candidate"] / local1["s_per_candidate"] - 1.0
+        out["ray_per_candidate_ratio"] = per_candidate_ratio(ray1, local1)
         if local1["dispatch_s"] is not None and ray1["dispatch_s"] is not None:
             out["ray_dispatch_overhead_s"] = ray1["dispatch_s"] - local1["dispatch_s"]
             out["ray_dispatch_overhead_fraction"] = out["ray_dispatch_overhead_s"] / local1["s_per_candidate"]
@@ -178,6 +204,7 @@ def comparisons(arms: list[dict]) -> dict:
         one, two = ran.get(f"{kind}:1"), ran.get(f"{kind}:2")
         if one and two and one["per_minute"]:
             out[f"{kind}_scaling_1_to_2"] = two["per_minute"] / one["per_minute"]
+            out[f"{kind}_scaling_ratio"] = per_candidate_ratio(one, two)
     kernels = {name: tuple(map(tuple, a["accepted"])) for name, a in ran.items()}
     first = next(iter(kernels.values()), ())
     out["same_accepted"] = all(k == first for k in kernels.values())
@@ -193,6 +220,27 @@ def comparisons(arms: list[dict]) -> dict:
     return out
 
 
+PHASES = ("compile_s", "compiler_s", "wait_s", "call_s", "evaluate_s", "finish_s")
+
+
+def phase_table(arms: list[dict]) -> str:
+    """Per arm, the mean of each phase per candidate (the search's search s / candidate beside it): what
+    an executor adds is the call beyond the evaluator's own time, and the evaluators' idle time."""
+    rows = []
+    for a in arms:
+        phases = a.get("phases") or []
+        if not phases:
+            continue
+        n = len(phases)
+        mean = {k: sum(p[k] for p in phases) / n for k in PHASES}
+        idle = max(0.0, a["wall_s"] * a["evaluators"] - sum(p["call_s"] for p in phases)) / n
+        rows.append([a["arm"], a["repeat"], n, *(f"{1e3 * mean[k]:.0f}" for k in PHASES),
+                     f"{1e3 * (mean['call_s'] - mean['evaluate_s']):.0f}", f"{1e3 * idle:.0f}"])
+    headers = ["arm", "repeat", "n", "compile ms", "compiler ms", "wait ms", "call ms", "evaluate ms",
+               "finish ms", "call - evaluate ms", "evaluator idle ms"]
+    return "mean phases per candidate (driver's clock):\n\n" + tabulate(rows, headers=headers, tablefmt="github")
+
+
 def markdown(info: dict, data: dict) -> str:
     rows = []
     for a in data["arms"]:
@@ -204,7 +252,8 @@ def markdown(info: dict, data: dict) -> str:
                      f"{a['per_minute']:.1f}", f"{a['s_per_candidate']:.2f}", dispatch, f"{a['startup_s']:.1f}",
                      len(a["accepted"])])
     text = benchlib.header_md("Executors: the same search on the local executor and on Ray", info)
-    text += (f"recipe {data['recipe']} on {data['target']}, budget {data['budget']} templates calls, "
+    text += (f"recipe {data['recipe']} on {data['target']}, budget {data['budget']} templates calls "
+             f"({data.get('strategy', 'allocator')} strategy), "
              f"bench reps {data['bench_reps'] or 'default'}; machine: {data['machine']}\n\n")
     text += tabulate(rows, headers=["arm", "repeat", "evaluators", "evaluated", "search s", "cand./min", "s/cand.",
                                     "dispatch ms", "start-up s", "accepted"], tablefmt="github") + "\n\n"
@@ -216,13 +265,26 @@ def markdown(info: dict, data: dict) -> str:
     if "ray_overhead_per_candidate" in c:
         text += f"- Ray overhead per candidate at one evaluator (median s/candidate over repeats): " \
                 f"{100 * c['ray_overhead_per_candidate']:+.1f}% of the local executor's time (target <= 5%)\n"
+    ratio = c.get("ray_per_candidate_ratio")
+    if ratio:
+        low, high = ratio["ci"]
+        text += f"- Ray overhead per candidate, mean over {ratio['candidates'][0]} candidates " \
+                f"({'paired with the same candidates on local:1' if ratio['paired'] else 'unpaired'}): " \
+                f"{100 * (ratio['ratio'] - 1):+.1f}% (95% interval {100 * (low - 1):+.1f}% to " \
+                f"{100 * (high - 1):+.1f}%; target <= 5%)\n"
     if "ray_dispatch_overhead_s" in c:
         text += f"- Ray's own dispatch cost per candidate (static-rejected probes, submit to verdict, one in " \
                 f"flight): {1e3 * c['ray_dispatch_overhead_s']:+.1f} ms over the local executor's, " \
                 f"{100 * c['ray_dispatch_overhead_fraction']:.1f}% of a local candidate's time\n"
     for kind in ("local", "ray"):
         if f"{kind}_scaling_1_to_2" in c:
-            text += f"- {kind} scaling 1 -> 2 evaluators: {c[f'{kind}_scaling_1_to_2']:.2f}x (target >= 1.8x)\n"
+            text += f"- {kind} scaling 1 -> 2 evaluators: {c[f'{kind}_scaling_1_to_2']:.2f}x (target >= 1.8x)"
+            scaling = c.get(f"{kind}_scaling_ratio")
+            if scaling:
+                low, high = scaling["ci"]
+                text += f"; mean s/candidate ratio {scaling['ratio']:.2f}x (95% interval {low:.2f}-{high:.2f}, " \
+                        f"{'paired' if scaling['paired'] else 'unpaired'})"
+            text += "\n"
     for count in ("1", "2", "all"):
         if f"same_accepted_at_{count}" in c:
             same = c[f"same_accepted_at_{count}"]
@@ -232,6 +294,7 @@ def markdown(info: dict, data: dict) -> str:
     if not c["same_accepted"]:
         for name, missing in c["accepted_differences"].items():
             text += f"  - {name} lacks {missing}\n"
+    text += "\n" + phase_table(data["arms"]) + "\n"
     text += "\nload (uptime) before / after each arm:\n\n"
     for a in data["arms"]:
         if "skipped" not in a:
@@ -243,7 +306,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--recipe", default="tiny-llama")
     parser.add_argument("--target", default=None, help="cpu or cuda (default: the recipe's)")
-    parser.add_argument("--budget", type=int, default=16)
+    parser.add_argument("--budget", type=int, default=60)
+    parser.add_argument("--strategy", default="uniform", choices=("uniform", "allocator"),
+                        help="uniform (default): one call per searchable card in turn, so the budget buys as many "
+                             "distinct candidates (the allocator stops tiny-llama's search after ~7)")
     parser.add_argument("--arms", default="local:1,ray:1,ray:2")
     parser.add_argument("--bench-reps", type=int, default=None, help="interleaved pairs per benchmark")
     parser.add_argument("--name", default="bench_executor")
@@ -273,7 +339,7 @@ def main() -> None:
     import platform
 
     data = {"recipe": r.name, "target": r.target.device, "budget": args.budget, "bench_reps": args.bench_reps,
-            "repeat": args.repeat,
+            "repeat": args.repeat, "strategy": args.strategy,
             "machine": f"{platform.node()} {platform.machine()}, {os.cpu_count()} cores, {benchlib.device_name()}",
             "arms": arms, "comparisons": comparisons(arms), **info}
     benchlib.write(args.name, data, markdown(info, data))

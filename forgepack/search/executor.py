@@ -29,6 +29,7 @@ import threading
 import time
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -94,6 +95,38 @@ def with_object_hash(verdict: Any, sha256: str | None = None) -> Any:
     return dataclasses.replace(verdict, diagnostics={**verdict.diagnostics, "binary_sha256": digest})
 
 
+@dataclass(frozen=True)
+class Phases:
+    """Where one candidate's time went, on the driver's clock (seconds): what an executor adds is
+    everything but `compiler_s` and `evaluate_s`."""
+
+    compile_s: float  # submit -> compiled object ready (queueing, scheduling, transfer, the compiler)
+    compiler_s: float  # the compiler's own time (0 for a cache hit or a static reject)
+    wait_s: float  # compiled -> an evaluator took it (its evaluator was busy with earlier ones)
+    call_s: float  # taken -> verdict back (Ray: the actor call, argument transfer, writing the object)
+    evaluate_s: float  # the evaluator's own verify-and-time, inside `call_s`
+    finish_s: float  # verdict -> future done (hashing; Ray: the accepted object fetched to the driver)
+
+    def to_json(self) -> dict[str, float]:
+        return dataclasses.asdict(self)
+
+
+class PhaseLog:
+    """Each evaluated candidate's `Phases`, in the order verdicts came back (for benchmarks)."""
+
+    def __init__(self) -> None:
+        self._items: list[Phases] = []
+        self._lock = threading.Lock()
+
+    def add(self, phases: Phases) -> None:
+        with self._lock:
+            self._items.append(phases)
+
+    def items(self) -> list[Phases]:
+        with self._lock:
+            return list(self._items)
+
+
 class Pace:
     """Running mean compile and evaluation times, and the in-flight count they call for.
 
@@ -153,6 +186,7 @@ class LocalExecutor:
         self.workers = workers
         self.evaluators = len(self.devices)
         self._pace = Pace(workers, len(self.devices))
+        self.phases = PhaseLog()
 
     @property
     def slots(self) -> int:
@@ -167,8 +201,10 @@ class LocalExecutor:
 
     def submit(self, card: Card, source: str, samples_path: Path | None = None) -> Future:
         result: Future = Future()
+        submitted = time.monotonic()
         compiled = self._pool.submit(compile_candidate, source, self.target, self.arch)
-        compiled.add_done_callback(lambda done: self._queue.put((card, source, samples_path, done, result)))
+        compiled.add_done_callback(lambda done: self._queue.put(
+            (card, source, samples_path, done, result, (submitted, time.monotonic()))))
         return result
 
     def map(self, jobs: Iterable[tuple[Card, str, Path | None]]) -> Iterator[Any]:
@@ -198,7 +234,7 @@ class LocalExecutor:
                 job = self._queue.get()
                 if job is None:
                     return
-                card, source, samples_path, compiled, result = job
+                card, source, samples_path, compiled, result, (submitted, ready) = job
                 if broken is not None:
                     result.set_exception(broken)
                     continue
@@ -208,11 +244,15 @@ class LocalExecutor:
                     verdict = familyeval.evaluate_compiled(  # a family card: over its range
                         evaluator, card, built, source, samples_path=samples_path, margin=self.margin, bench=True
                     )
+                    back = time.monotonic()
                     verdict = with_object_hash(verdict)
                 except BaseException as err:  # reported through the future, never lost in a thread
                     result.set_exception(err)
                 else:
-                    self._pace.observe(verdict, built, time.monotonic() - started)
+                    self._pace.observe(verdict, built, back - started)
+                    self.phases.add(Phases(ready - submitted, built.seconds if not built.cached else 0.0,
+                                           started - ready, back - started, back - started,
+                                           time.monotonic() - back))
                     result.set_result(verdict)
         finally:
             if evaluator is not None:

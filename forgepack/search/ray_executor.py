@@ -38,13 +38,21 @@ from typing import Any
 from forgepack.cards import Card
 from forgepack.compile import CompileResult
 from forgepack.errors import ForgepackError
-from forgepack.search.executor import Pace, compile_candidate, supported_options, with_object_hash
+from forgepack.search.executor import (
+    Pace,
+    PhaseLog,
+    Phases,
+    compile_candidate,
+    supported_options,
+    with_object_hash,
+)
 
 NAMESPACE = "forgepack"
 REGISTRY = "forgepack-compiled"
 ACTOR_RESTARTS = 8  # per actor over a build: a node that keeps dying is not worth more
 RETRIES = 1  # evaluations a lost actor costs a candidate before it is a crash
 START_TIMEOUT_S = 600.0
+MAX_WARM = 32  # compile worker processes warmed at start-up (a large cluster warms the rest on first use)
 # Ray sets these to an actor's CPU count (1): a cpu evaluator's stock torch ops would then be timed on
 # one thread, not as the local executor and the user's process run them. The driver's values are passed.
 THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
@@ -130,16 +138,27 @@ class CompiledObject:
     so: bytes | None
     obj: bytes | None  # kernel.o, which the static checks read
     sha256: str  # of `so`; "" when nothing was built
+    worker_pid: int = 0  # the process that compiled it (start-up warms these)
 
 
 def compile_to_object(source: str, target: str, arch: str | None) -> CompiledObject:
     """Compile (cached on this node) and read the object back as bytes."""
     result = compile_candidate(source, target, arch)
     if not result.ok or not result.binary:
-        return CompiledObject(result, None, None, "")
+        return CompiledObject(result, None, None, "", os.getpid())
     so = Path(result.binary).read_bytes()
     obj = Path(result.binary).with_suffix(".o").read_bytes()
-    return CompiledObject(result, so, obj, hashlib.sha256(so).hexdigest())
+    return CompiledObject(result, so, obj, hashlib.sha256(so).hexdigest(), os.getpid())
+
+
+def warm_compiler(target: str, arch: str | None) -> int:
+    """What a compile task's first run would pay, paid at start-up in this worker process: the imports
+    and the compiler probes (version, supported flags) that every cache key includes. Returns the pid."""
+    from forgepack import staticcheck  # noqa: F401  (imported for the compile tasks to come)
+    from forgepack.compile import cache_key
+
+    cache_key("", target, arch)
+    return os.getpid()
 
 
 def objects_root() -> Path:
@@ -229,6 +248,10 @@ class CompileRegistry:
     def counts(self) -> dict[str, int]:
         return {"requests": self.requests, "compiled": len(self.refs)}
 
+    def warm(self, target: str, arch: str | None) -> int:
+        """Import and probe the compiler before the first candidate's cache key is asked for."""
+        return warm_compiler(target, arch)
+
 
 class EvaluatorActor:
     """One device's `Evaluator`; refuses to evaluate when its device is not the build's target."""
@@ -242,6 +265,8 @@ class EvaluatorActor:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+        from forgepack import familyeval  # noqa: F401  (at start-up, not in the first candidate's time)
+
         self.identity = device_identity(target)
         self.refusal = self.identity.mismatch(expected) if expected is not None else None
         self.evaluator = None
@@ -259,8 +284,9 @@ class EvaluatorActor:
                 "thread_env": {name: os.environ.get(name) for name in THREAD_VARS}}
 
     def evaluate(self, card: Card, compiled: CompiledObject, source: str, samples: tuple | None,
-                 margin: float) -> tuple[Any, CompileResult]:
-        """(verdict, the compile result without its bytes: the driver's pace needs its time only)."""
+                 margin: float) -> tuple[Any, CompileResult, float]:
+        """(verdict, the compile result without its bytes: the driver's pace needs its time only, and
+        the seconds the evaluator itself took)."""
         from forgepack import familyeval  # lazily, as the local executor does
 
         if self.evaluator is None:
@@ -269,10 +295,12 @@ class EvaluatorActor:
         try:
             built = materialize(compiled)
             path = materialize_samples(*samples) if samples else None
+            started = time.monotonic()
             verdict = familyeval.evaluate_compiled(self.evaluator, card, built, source, samples_path=path,
                                                    margin=margin, bench=True)  # a family card: over its range
+            seconds = time.monotonic() - started
             self.evaluated += 1
-            return with_object_hash(verdict), built  # hashed from the file that was verified and timed
+            return with_object_hash(verdict), built, seconds  # hashed from the file verified and timed
         finally:
             self.busy = False
 
@@ -290,6 +318,12 @@ def _ray_compile_task() -> Any:
     if "compile" not in _RAY_CLASSES:
         _RAY_CLASSES["compile"] = import_ray().remote(compile_to_object)
     return _RAY_CLASSES["compile"]
+
+
+def _ray_warm_task() -> Any:
+    if "warm" not in _RAY_CLASSES:
+        _RAY_CLASSES["warm"] = import_ray().remote(warm_compiler)
+    return _RAY_CLASSES["warm"]
 
 
 def _ray_class(name: str) -> Any:
@@ -332,6 +366,8 @@ class _Job:
     samples: Any  # object reference of (bytes, sha256), or None
     compiled: Any  # object reference of the CompiledObject
     result: Future
+    submitted: float  # time.monotonic() on the driver
+    ready: float = 0.0  # when the compiled object was
     lost: list[str] = dataclasses.field(default_factory=list)  # how each lost attempt ended
 
 
@@ -384,12 +420,25 @@ class RayExecutor:
         self._closed = False
         self._alive = len(self.actors)
         self._lock = threading.Lock()
-        self._pace = Pace(max(1, int(ray.cluster_resources().get("CPU", 1) - count * evaluator_cpus)),
-                          len(self.actors))
+        compilers = max(1, int(ray.cluster_resources().get("CPU", 1) - count * evaluator_cpus))
+        self._pace = Pace(compilers, len(self.actors))
+        self.phases = PhaseLog()
+        self.warmed = self._warm(min(compilers, MAX_WARM))
         self._threads = [threading.Thread(target=self._evaluate_loop, args=(actor,), daemon=True,
                                           name=f"ray-evaluate-{i}") for i, actor in enumerate(self.actors)]
         for thread in self._threads:
             thread.start()
+
+    def _warm(self, compilers: int) -> set[int]:
+        """Start fresh processes' imports and compiler probes now, in start-up, rather than in the first
+        candidates' compile time (measured: ~1.5 s each for the first two on cpu, a third of a candidate
+        in a short build). One warm task per compile slot, so that each worker process Ray starts for
+        them is warm; returns their pids."""
+        task = _ray_warm_task().options(num_cpus=self.compile_cpus)
+        refs = [task.remote(self.target, self.arch) for _ in range(compilers)]
+        refs.append(self.registry.warm.remote(self.target, self.arch))
+        pids = self.ray.get(refs, timeout=START_TIMEOUT_S)
+        return set(pids[:-1])
 
     def _check_cpus(self, count: int, evaluator_cpus: float, compile_cpus: float) -> None:
         total = self.ray.cluster_resources().get("CPU", 0)
@@ -440,6 +489,7 @@ class RayExecutor:
         if self._closed:
             result.set_exception(ForgepackError("the Ray executor is closed"))
             return result
+        submitted = time.monotonic()
         samples = self._samples_ref(samples_path) if samples_path else None
         handle = self.registry.compiled.remote(source, self.target, self.arch, self.compile_cpus)
 
@@ -449,8 +499,13 @@ class RayExecutor:
             except Exception as err:
                 result.set_exception(err)
                 return
-            job = _Job(card, source, samples, ref, result)
-            ref.future().add_done_callback(lambda _: self._queue.put(job))
+            job = _Job(card, source, samples, ref, result, submitted)
+
+            def ready(_: Any) -> None:
+                job.ready = time.monotonic()
+                self._queue.put(job)
+
+            ref.future().add_done_callback(ready)
 
         handle.future().add_done_callback(compiled)
         return result
@@ -475,8 +530,9 @@ class RayExecutor:
                 return
             started = time.monotonic()
             try:
-                verdict, built = ray.get(actor.evaluate.remote(job.card, job.compiled, job.source, job.samples,
-                                                               self.margin))
+                verdict, built, evaluate_s = ray.get(actor.evaluate.remote(job.card, job.compiled, job.source,
+                                                                           job.samples, self.margin))
+                back = time.monotonic()
                 verdict = self._local_object(verdict, job)
             except RayActorError as err:  # the actor's process or node died under the candidate
                 back = self._restarts(actor)  # before a retry: one sent to a restarting actor is lost too
@@ -489,7 +545,9 @@ class RayExecutor:
             except BaseException as err:  # reported through the future, never lost in a thread
                 job.result.set_exception(_cause(err))
                 continue
-            self._pace.observe(verdict, built, time.monotonic() - started)
+            self._pace.observe(verdict, built, back - started)
+            self.phases.add(Phases(job.ready - job.submitted, built.seconds if not built.cached else 0.0,
+                                   started - job.ready, back - started, evaluate_s, time.monotonic() - back))
             if job.lost:  # evaluated on a retry: say what the lost attempts cost
                 verdict = dataclasses.replace(verdict, diagnostics={**verdict.diagnostics, "lost": list(job.lost)})
             job.result.set_result(verdict)

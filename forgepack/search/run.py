@@ -1,7 +1,14 @@
 """The build loop: allocator -> tree -> proposer -> store -> executor -> store, until the budget is spent.
 
-One call at a time is decided (so every decision sees every result that has come back), while up to
-``executor.slots`` candidates compile and evaluate in the background. Order of writes, for `kill -9`:
+One call at a time is decided, while up to ``lag`` candidates compile and evaluate in the background.
+What a decision sees does not depend on timing: results are taken in the order their candidates were
+submitted, and a call is decided with exactly the last ``lag - 1`` candidates submitted still unknown
+(fewer at the start, and after a decision that found no card worth a call, which waits for one more
+result). ``lag`` is the executor's slots when the search starts (not its later, measured pace) plus
+one per evaluator beyond the first. A result that arrives early waits for the ones before it. So the
+same verdicts give the same calls, the same candidates and the same accepted kernels on any executor
+with the same slots and evaluators, however the candidates' evaluations overlap or finish (a build on
+two evaluators, with more in flight, is a different, equally deterministic search). Order of writes, for `kill -9`:
 source file, then call + pending candidate (one transaction), then the verdict. On start, the trees are
 rebuilt from the store and pending candidates are evaluated before anything new is proposed; the budget
 counts the calls already in the store (per proposer), and dollars across all calls.
@@ -15,7 +22,7 @@ import json
 import shutil
 import time
 from collections.abc import Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, wait
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -180,7 +187,8 @@ class Search:
         self.history: dict[int, CallResult] = {}  # call id -> result, in call order
         self.call_candidate: dict[int, int] = {}  # call id -> the new candidate it made
         self.trees: dict[str, Tree] = {}
-        self.inflight: dict[Future, CandidateRecord] = {}
+        self.inflight: dict[Future, CandidateRecord] = {}  # in submission order, the order results are taken in
+        self.lag = 1  # candidates in flight when a call is decided; fixed in `run`
         self.new_calls = 0
         self.evaluated = 0
         self._covers = allocator.coverage(list(self.cards.values()))  # the cards never change
@@ -222,7 +230,8 @@ class Search:
     def _record_in_tree(tree: Tree, cand: CandidateRecord) -> None:
         tree.record(
             cand.id, accepted=bool(cand.accepted), category=cand.category, speedup=cand.speedup,
-            kernel_us=cand.kernel_us, eager_us=cand.eager_us, feedback=cand.feedback,
+            kernel_us=cand.kernel_us, eager_us=cand.eager_us, feedback=cand.feedback, ci_low=cand.ci_low,
+            ci_high=cand.ci_high,
         )
 
     def summary(self, card_id: str, states: list[allocator.CardState] | None = None) -> CardSummary:
@@ -264,6 +273,9 @@ class Search:
 
     def run(self) -> SearchResult:
         started = time.monotonic()
+        # one more in flight per extra evaluator: when results finish out of order, the evaluator that
+        # finished early still has a candidate to take while the search waits for the oldest
+        self.lag = max(1, int(self.executor.slots)) + max(0, int(getattr(self.executor, "evaluators", 1)) - 1)
         for cand in self._rebuild():
             self._submit(cand)
         if self.inflight:
@@ -273,7 +285,7 @@ class Search:
         self.reporter.plan(plan, remaining)
         stopped = self._loop()
         while self.inflight:
-            self._collect(block=True)
+            self._take_oldest()
         tokens_in, tokens_out, cost = self.store.spend()
         states = self.states()
         return SearchResult(
@@ -291,17 +303,16 @@ class Search:
 
     def _loop(self) -> str:
         while True:
-            self._collect(block=False)
             stop = self._stop_reason()
             if stop:
                 return stop
-            if len(self.inflight) >= self.executor.slots:
-                self._collect(block=True)
+            if len(self.inflight) >= self.lag:
+                self._take_oldest()
                 continue
             decision = self.decide(self.states(), self.cfg)
             if decision.card_id is None:
                 if self.inflight:
-                    self._collect(block=True)
+                    self._take_oldest()
                     continue
                 return decision.reason
             self._call(decision)
@@ -386,23 +397,22 @@ class Search:
         future = self.executor.submit(self.cards[cand.card_id], source, samples if samples.exists() else None)
         self.inflight[future] = cand
 
-    def _collect(self, block: bool) -> None:
-        if not self.inflight:
-            return
-        done, _ = wait(list(self.inflight), timeout=None if block else 0, return_when=FIRST_COMPLETED)
-        for future in done:
-            cand = self.inflight.pop(future)
-            verdict = future.result()  # an executor failure (not a kernel's) stops the build, resumable
-            binary = self._keep_binary(cand, verdict) if verdict.accepted else None
-            cand = self.store.record_verdict(cand.id, verdict_row(verdict, self.settings.margin, binary))
-            self.evaluated += 1
-            tree = self.trees[cand.card_id]
-            self._record_in_tree(tree, cand)
-            self.exhausted.discard(cand.card_id)  # a new working node may open the tree again
-            for call_id, candidate_id in self.call_candidate.items():
-                if candidate_id == cand.id:
-                    self.history[call_id] = call_result(cand)
-            self.reporter.evaluated(cand, self.summary(cand.card_id))
+    def _take_oldest(self) -> None:
+        """Wait for the earliest submitted candidate still in flight and record its verdict (later
+        ones that are done already wait their turn: see the module docstring)."""
+        future = next(iter(self.inflight))
+        cand = self.inflight.pop(future)
+        verdict = future.result()  # an executor failure (not a kernel's) stops the build, resumable
+        binary = self._keep_binary(cand, verdict) if verdict.accepted else None
+        cand = self.store.record_verdict(cand.id, verdict_row(verdict, self.settings.margin, binary))
+        self.evaluated += 1
+        tree = self.trees[cand.card_id]
+        self._record_in_tree(tree, cand)
+        self.exhausted.discard(cand.card_id)  # a new working node may open the tree again
+        for call_id, candidate_id in self.call_candidate.items():
+            if candidate_id == cand.id:
+                self.history[call_id] = call_result(cand)
+        self.reporter.evaluated(cand, self.summary(cand.card_id))
 
     def _keep_binary(self, cand: CandidateRecord, verdict: Any) -> str | None:
         """Copy the verified, timed object into the workspace: that exact file is what ships."""
@@ -422,7 +432,8 @@ class Search:
     # --- results ---------------------------------------------------------------------------------
 
     def accepted(self) -> list[AcceptedKernel]:
-        """The best accepted candidate per card (highest speed-up; earliest on ties)."""
+        """The best accepted candidate per card: the earliest unless a later one is clearly faster
+        (`tree.clearly_faster`: beyond both timings' noise)."""
         from forgepack.templates import needs_of  # lazy, as the templates proposer imports them
 
         out = []

@@ -17,6 +17,9 @@ or an LLM's rewrite of the parent's source). The root stands for "from scratch" 
   (`mark_exhausted`).
 - **Selection**: from the root, widen where allowed, else descend to the child with the best
   ``Q + C sqrt(ln N / n)``; a subtree with nothing left to expand is skipped (backtracking).
+- **Best**: the card's kernel is its first accepted candidate (in proposal order) until a later one is
+  faster beyond the noise (`clearly_faster`): two kernels whose speed-ups lie within each other's
+  intervals are a tie, and a tie keeps the earlier one, so timing noise does not pick the kernel.
 """
 
 from __future__ import annotations
@@ -58,6 +61,8 @@ class Node:
     accepted: bool = False
     category: str | None = None
     speedup: float | None = None
+    ci_low: float | None = None  # the speed-up's interval (None: not measured, the point itself)
+    ci_high: float | None = None
     kernel_us: float | None = None
     eager_us: float | None = None
     feedback: str | None = None
@@ -79,6 +84,25 @@ class Node:
 
 def params_key(params: dict) -> str:
     return json.dumps(params, sort_keys=True, default=str)
+
+
+DRIFT = 0.02  # between two runs of one build a kernel's speed-up moves by more than one run's interval shows
+
+
+def clearly_faster(new: Node, incumbent: Node) -> bool:
+    """Whether `new` is faster than `incumbent` beyond the noise: its speed-up interval lies wholly
+    above the incumbent's, and its speed-up is at least `DRIFT` higher. The test a kernel passes
+    against eager (interval above 1, speed-up at least 1 + margin), with the incumbent for eager.
+
+    >>> a = Node(1, speedup=1.30, ci_low=1.25, ci_high=1.36)
+    >>> clearly_faster(Node(2, speedup=1.33, ci_low=1.28, ci_high=1.38), a)  # within the noise: a tie
+    False
+    >>> clearly_faster(Node(3, speedup=1.45, ci_low=1.40, ci_high=1.50), a)
+    True
+    """
+    new_low = new.ci_low if new.ci_low is not None else new.speedup
+    old_high = incumbent.ci_high if incumbent.ci_high is not None else incumbent.speedup
+    return new_low > old_high and new.speedup >= incumbent.speedup * (1 + DRIFT)
 
 
 def normalised_reward(speedup: float, ceiling: float) -> float:
@@ -122,6 +146,8 @@ class Tree:
         kernel_us: float | None = None,
         eager_us: float | None = None,
         feedback: str | None = None,
+        ci_low: float | None = None,
+        ci_high: float | None = None,
     ) -> Node:
         """A verdict arrived: set the node's reward and back it up to the root."""
         node = self.nodes[candidate_id]
@@ -130,6 +156,7 @@ class Tree:
         works = accepted or (category == "slower" and speedup is not None and speedup > 0)
         node.state = "ok" if works else "failed"
         node.accepted, node.category, node.speedup = accepted, category, speedup
+        node.ci_low, node.ci_high = ci_low, ci_high
         node.kernel_us, node.eager_us, node.feedback = kernel_us, eager_us, feedback
         node.reward = normalised_reward(speedup, self.ceiling) if works else None
         walk: Node | None = node
@@ -208,8 +235,13 @@ class Tree:
         return frozenset(c.params_key() for c in node.children)
 
     def best(self) -> Node | None:
-        accepted = [n for n in self.nodes.values() if n.accepted and n.speedup is not None]
-        return max(accepted, key=lambda n: (n.speedup, -n.id), default=None)
+        """The accepted kernel: the earliest, replaced only by a later one `clearly_faster` than it."""
+        best = None
+        for node in sorted((n for n in self.nodes.values() if n.accepted and n.speedup is not None),
+                           key=lambda n: n.id):
+            if best is None or clearly_faster(node, best):
+                best = node
+        return best
 
     def counts(self) -> dict[str, int]:
         """Verdict categories over all evaluated nodes (accepted ones as "accepted")."""
