@@ -30,6 +30,7 @@ def test_served_counts_every_kernel_of_an_op_once_against_its_calls(monkeypatch)
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_cpu_mode_builds_an_envelope_pack_and_counts_what_it_serves(tmp_path):
     env = {**os.environ, "OUT": str(tmp_path / "out"), "FORGEPACK_HOME": str(tmp_path / "home"),
            "FORGEPACK_CACHE": str(tmp_path / "cache")}

@@ -77,6 +77,7 @@ def _recipe(tmp_path: Path) -> Path:
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_generate_envelope_pack_serves_90_percent_of_its_family_ops_calls(tmp_path):
     path = _recipe(tmp_path)
     r = recipe_mod.load(path)
