@@ -250,22 +250,33 @@ def _desc_check(var: str, meta: TensorMeta | None) -> list[str]:
 def abi_check(card: Card) -> str:
     """Host code validating `call` against the card; `return`s an FP_ERR_* on any mismatch."""
     ins, outs = card.tensor_inputs(), card.outputs
-    lines = [
-        "if (call == NULL || call->abi_version != FP_ABI_VERSION) return FP_ERR_ABI;",
-        f"if (call->n_inputs != {len(ins)} || call->n_outputs != {len(outs)} "
-        f"|| call->n_scalars != {len(card.scalars())}) return FP_ERR_ABI;",
-    ]
+    lines = abi_counts_check(card)
     for i, m in enumerate(ins):
         lines += _desc_check(f"call->inputs[{i}]", m)
     for j, m in enumerate(outs):
         lines += _desc_check(f"call->outputs[{j}]", m)
+    return "\n  ".join(lines + scalar_checks(card))
+
+
+def abi_counts_check(card: Card) -> list[str]:
+    """The call's ABI version and its counts of inputs, outputs and scalars."""
+    return [
+        "if (call == NULL || call->abi_version != FP_ABI_VERSION) return FP_ERR_ABI;",
+        f"if (call->n_inputs != {len(card.tensor_inputs())} || call->n_outputs != {len(card.outputs)} "
+        f"|| call->n_scalars != {len(card.scalars())}) return FP_ERR_ABI;",
+    ]
+
+
+def scalar_checks(card: Card) -> list[str]:
+    """Each scalar the card fixes, checked bit for bit (a NaN scalar is not checkable by value)."""
+    lines = []
     for k, v in enumerate(card.scalars()):
         # `f` carries every scalar's value (ints and bools too), whatever `kind` the caller chose.
         f = float(v)
         if not math.isnan(f):
             lit = float.hex(f) if math.isfinite(f) else ("__builtin_inf()" if f > 0 else "-__builtin_inf()")
             lines.append(f"if (call->scalars[{k}].f != {lit}) return FP_ERR_UNSUPPORTED;")
-    return "\n  ".join(lines)
+    return lines
 
 
 def entry(card: Card, target: str, body: str) -> str:

@@ -20,12 +20,11 @@ only the row count and the rows' strides are read at run time.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from forgepack.cards import DTYPE_CODES, DTYPE_SIZES, Card, Layout
 from forgepack.needs import Align, Needs
-from forgepack.templates.common import ctype, launch_status
+from forgepack.templates.common import abi_counts_check, ctype, launch_status, scalar_checks
 
 GRID_CAP = 132 * 32  # grid-stride loops: enough blocks for every SM, whatever the size
 
@@ -34,21 +33,12 @@ def abi_check(card: Card) -> str:
     """Host code validating `call` against what the family fixes; sizes that vary are left to the kernel."""
     fam = card.family
     ins, outs = card.tensor_inputs(), card.outputs
-    lines = [
-        "if (call == NULL || call->abi_version != FP_ABI_VERSION) return FP_ERR_ABI;",
-        f"if (call->n_inputs != {len(ins)} || call->n_outputs != {len(outs)} "
-        f"|| call->n_scalars != {len(card.scalars())}) return FP_ERR_ABI;",
-    ]
+    lines = abi_counts_check(card)
     slots = [(f"call->inputs[{i}]", m, lay) for i, (m, lay) in enumerate(zip(ins, fam.inputs, strict=True))]
     slots += [(f"call->outputs[{j}]", m, lay) for j, (m, lay) in enumerate(zip(outs, fam.outputs, strict=True))]
     for var, meta, layout in slots:
         lines += _desc_check(var, meta, layout)
-    for k, v in enumerate(card.scalars()):
-        f = float(v)
-        if not math.isnan(f):
-            lit = float.hex(f) if math.isfinite(f) else ("__builtin_inf()" if f > 0 else "-__builtin_inf()")
-            lines.append(f"if (call->scalars[{k}].f != {lit}) return FP_ERR_UNSUPPORTED;")
-    return "\n  ".join(lines)
+    return "\n  ".join(lines + scalar_checks(card))
 
 
 def _desc_check(var: str, meta, layout: Layout | None) -> list[str]:

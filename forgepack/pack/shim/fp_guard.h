@@ -71,15 +71,22 @@ inline bool dims_equal(c10::IntArrayRef got, const int64_t* want, int32_t n) {
   return true;
 }
 
-// Cheap-first: dtype and device live in the TensorImpl; sizes and strides next; the data pointer last.
-inline bool match(const at::Tensor& t, const TensorSpec& s, c10::DeviceType device) {
+// A defined, strided, plain (no wrapped number, neg or conj bit) tensor of this dtype, rank and device:
+// what every guard checks first, all of it in the TensorImpl.
+inline bool plain(const at::Tensor& t, c10::ScalarType dtype, int32_t ndim, c10::DeviceType device) {
   if (!t.defined()) return false;
   const c10::TensorImpl* impl = t.unsafeGetTensorImpl();
-  if (impl->dtype().toScalarType() != s.dtype) return false;
+  if (impl->dtype().toScalarType() != dtype) return false;
   if (impl->device_type() != device) return false;
   if (impl->layout() != c10::kStrided) return false;
   if (impl->is_wrapped_number() || t.is_neg() || t.is_conj()) return false;
-  if (impl->dim() != s.ndim) return false;
+  return impl->dim() == ndim;
+}
+
+// Cheap-first: dtype and device live in the TensorImpl; sizes and strides next; the data pointer last.
+inline bool match(const at::Tensor& t, const TensorSpec& s, c10::DeviceType device) {
+  if (!plain(t, s.dtype, s.ndim, device)) return false;
+  const c10::TensorImpl* impl = t.unsafeGetTensorImpl();
   if (!dims_equal(impl->sizes(), s.sizes, s.ndim) || !dims_equal(impl->strides(), s.strides, s.ndim)) return false;
   if (!impl->has_storage()) return false;
   auto addr = reinterpret_cast<uintptr_t>(t.const_data_ptr());
@@ -145,13 +152,8 @@ inline int64_t stride_of(const StrideRule& r, const int64_t* dv) {
 // Everything about one input but its strides: dtype, device, rank, sizes (binding dims), pointer.
 inline bool bind(const at::Tensor& t, const FamilySpec& s, c10::DeviceType device, const DimRange* ranges,
                  int64_t* dv) {
-  if (!t.defined()) return false;
+  if (!plain(t, s.dtype, s.ndim, device)) return false;
   const c10::TensorImpl* impl = t.unsafeGetTensorImpl();
-  if (impl->dtype().toScalarType() != s.dtype) return false;
-  if (impl->device_type() != device) return false;
-  if (impl->layout() != c10::kStrided) return false;
-  if (impl->is_wrapped_number() || t.is_neg() || t.is_conj()) return false;
-  if (impl->dim() != s.ndim) return false;
   c10::IntArrayRef sizes = impl->sizes();
   for (int32_t a = 0; a < s.ndim; ++a) {
     const AxisSize& ax = s.sizes[a];
