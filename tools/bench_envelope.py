@@ -5,7 +5,7 @@ must serve the shapes a deployment runs, not one. This tool builds such a pack f
 the envelope given here (`forgepack build` in a subprocess, gate as the recipe says, or `--no-gate`),
 or takes a built one (`--pack WHEEL`), then runs a trace of greedy `generate()` requests (batch from
 `--batches`, prompt length log-uniform in `--prompt`, new tokens uniform in `--new`, fixed `--seed`;
-the trace of `bench_serve.make_trace`) twice per request: stock (pack deactivated), then the pack
+the trace of `servebench.make_trace`) twice per request: stock (pack deactivated), then the pack
 active. From the pack's own `stats()` it reports the share of the calls of the ops the pack has
 families for that its kernels served (hits / calls, per op and overall; the issue's target is >= 90%),
 the kernels' errors, and whether each request's tokens are stock's (else the first step that differs).
@@ -43,9 +43,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import benchlib
-from bench_serve import make_trace, parse_pair, prompts
 
 from forgepack import models, recipe, tomlwriter
+from forgepack.servebench import make_trace, parse_pair, prompts
 
 REPO = Path(__file__).resolve().parent.parent
 
