@@ -494,7 +494,8 @@ def test_bench_serve_serves_the_pack_s_generate_from_its_own_runtime(built, tmp_
                           env={**os.environ, "PYTHONPATH": str(REPO)})
     assert proc.returncode == 0, proc.stderr[-2000:]
     cols = json.loads(proc.stdout)["columns"]
-    assert list(cols) == ["eager", "pack", "pack+graphs"]
+    assert list(cols) == ["eager", "pack", "pack+graphs", "pack+graphs (generate loop)"]
+    assert cols["pack+graphs (generate loop)"]["tokens_per_s"] > 0  # the same pack's server, through generate()
     served = cols["pack+graphs"]
     assert "note" not in served and served["tokens_per_s"] > 0 and served["top1"] >= 0.9, served
     assert served["serving"]["graphs"]["replays"] > 0 and served["cold_process"]["served"], served
