@@ -298,8 +298,8 @@ def test_graphed_decode_captures_under_inference_mode():
     assert run.stats()["replays"] == 2 and not run.stats()["failures"], run.stats()
 
 
-def test_transformers_compile_is_off_for_a_served_model(pair, caplog):
-    model, _ = pair
+def spy_compile(model) -> list:
+    """Records `generation_config.disable_compile` each time generate() asks whether to compile."""
     seen = []
     real = model._valid_auto_compile_criteria
 
@@ -308,6 +308,12 @@ def test_transformers_compile_is_off_for_a_served_model(pair, caplog):
         return real(model_kwargs, generation_config)
 
     model._valid_auto_compile_criteria = spy
+    return seen
+
+
+def test_transformers_compile_is_off_for_a_served_model(pair, caplog):
+    model, _ = pair
+    seen = spy_compile(model)
     with caplog.at_level(logging.INFO, logger=serving.__name__):
         serving.serve(model, **EMU, **SMALL)
     lines = [r.getMessage() for r in caplog.records if "automatic torch.compile is off" in r.getMessage()]
@@ -394,14 +400,7 @@ def test_activate_serves_generate_and_deactivate_gives_it_back(tiny_llama_dir, m
     monkeypatch.setattr(runtime, "_fused", lambda: None)
     monkeypatch.setitem(runtime._STATE, "loaded", False)
     model = load(tiny_llama_dir)
-    seen = []
-    real = model._valid_auto_compile_criteria
-
-    def spy(model_kwargs, generation_config):
-        seen.append(generation_config.disable_compile)
-        return real(model_kwargs, generation_config)
-
-    model._valid_auto_compile_criteria = spy
+    seen = spy_compile(model)
     runtime._enable_graphs(model, {"backend": "emulate", "cache_lengths": (64,)})
     assert serving.server(model) is not None and "generate" in vars(model)
     assert serving.server(model).options.cache_lengths == (64,)
