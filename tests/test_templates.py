@@ -343,6 +343,25 @@ def test_cpu_kernels_pass_the_verifier(case, evaluator):
     assert verdict.accepted, f"{expected} on {card.op} [{card.signature()}]: {verdict.category}: {verdict.reason}"
 
 
+# Verification seeds whose structured input made a row of equal values, where the norm kernels used to
+# fail: the unshifted mean's rounding times rstd = 1/sqrt(eps), and stock's own folded-affine rounding.
+NORM_SEEDS = [("f32[2,8,7,9], f32[8], f32[8], N=2", s) for s in (6, 15851, 126717, 1704675123)] + [
+    ("f32[2,6,5,5], N=2", s) for s in (15851, 95041)]
+
+
+@pytest.mark.parametrize(("signature", "seed"), NORM_SEEDS)
+def test_group_norm_kernels_pass_on_rows_of_equal_values(signature, seed, evaluator, monkeypatch):
+    from forgepack import evaluate
+
+    (case,) = [c for c in CASES if c[0] == "norm.group_norm" and _card(*c[1:]).signature().startswith(signature)]
+    expected, op, args, kwargs = case
+    card = _card(op, args, kwargs)
+    t = by_name(expected)
+    monkeypatch.setattr(evaluate.secrets, "randbelow", lambda n: seed)
+    verdict = evaluator.evaluate(card, t.render(card, "cpu", t.default(card, "cpu")), bench=False)
+    assert verdict.accepted and verdict.diagnostics["seed"] == seed, verdict.reason
+
+
 def test_verifier_catches_a_wrong_template_kernel(evaluator):
     """The test above can fail: a subtly wrong kernel (GELU-tanh rendered for an exact-GELU card) is rejected."""
     exact = _card(A.gelu.default, (_x(4, 64),), {})

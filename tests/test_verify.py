@@ -271,6 +271,29 @@ def test_the_absolute_tolerance_scales_with_the_output():
     assert verify.compare(big + torch.tensor([0.0, 1.0]), big, "float32") is not None
 
 
+def test_an_ill_conditioned_stock_result_does_not_fail_a_kernel_as_close_to_the_exact_value():
+    """A group norm of a constant row: stock folds it into x * a + b' with a = w / sqrt(eps) (in the
+    thousands), so its fp32 result carries rounding of that scale, and a kernel rounding the other way
+    (as close to the exact value as stock, on the other side) fails against it. Against the float64
+    computation it passes; a kernel further from the exact value than twice stock's own error still
+    fails, and where stock is accurate the exact reference gives no slack."""
+    x = torch.full((1, 8, 63), -0.9728)
+    w, b = torch.linspace(-3.0, 6.0, 8), torch.linspace(-1.45, 1.41, 8)
+    ref = torch.ops.aten.native_group_norm(x, w, b, 1, 8, 63, 4, 1e-5)[0]
+    exact = torch.ops.aten.native_group_norm(x.double(), w.double(), b.double(), 1, 8, 63, 4, 1e-5)[0]
+    mirrored = (2 * exact - ref.double()).float()  # stock's error, on the other side of the exact value
+    scale = 6.0  # the largest input, as the verifier passes it
+    assert verify.compare(mirrored, ref, "float32", input_scale=scale) is not None  # the premise
+    assert verify.compare(mirrored, ref, "float32", input_scale=scale, exact=exact) is None
+    assert verify.compare(exact.float(), ref, "float32", input_scale=scale, exact=exact) is None
+    stock_err = (ref.double() - exact).abs()
+    far = (exact + 3 * stock_err + 1e-4).float()  # further off than tolerance plus twice stock's error
+    assert verify.compare(far, ref, "float32", input_scale=scale, exact=exact) is not None
+    accurate = torch.randn(64, 256, dtype=torch.float64)
+    ref2, exact2 = accurate.float().sum(1), accurate.sum(1)
+    assert verify.compare(ref2 + 1e-3, ref2, "float32", exact=exact2) is not None
+
+
 def test_outcomes_round_trip_their_json():
     from forgepack import outcomes
 

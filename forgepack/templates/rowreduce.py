@@ -622,9 +622,12 @@ def norm_steps(n: int, eps: float, affine: str, rms: bool = False) -> tuple[tupl
         y = "(x * rstd_)"
         return (*regs, Step("write", expr=affine.replace("y_", y), slot=0)), None
     y = "(rstd_ * (x - mean_))"
+    # The mean is summed shifted by the row's first element (`sh_`): its rounding error then scales
+    # with the row's spread, not its magnitude. aten's Welford mean of a constant row is exact, and
+    # the unshifted sum's few ulps, times rstd = 1/sqrt(eps) there, were off by several output ulps.
     regs = (
-        Step("reduce", "s1_", "x"),
-        Step("let", "mean_", f"s1_ * {inv_n}"),
+        Step("reduce", "s1_", "(x - sh_)"),
+        Step("let", "mean_", f"sh_ + s1_ * {inv_n}"),
         Step("reduce", "s2_", "(x - mean_) * (x - mean_)"),
         Step("let", "rstd_", f"fp_rsqrt(s2_ * {inv_n} + {flit(eps)})"),
         Step("write", expr=affine.replace("y_", y), slot=0),
@@ -709,9 +712,7 @@ class LayerNormTemplate(RowTemplate):
         regs, loop = norm_steps(n, float(eps), affine, rms)
         tail = (Step("rowwrite", expr="rstd_", slot=1),) if rms else (
             *mean_output_steps(target, "layer", n, x.dtype, xv.strides[-1], 1), Step("rowwrite", expr="rstd_", slot=2))
-        lets = ()
-        if loop is not None:
-            lets = ("const float sh_ = fp_ld(p.in0[xo_]); (void)sh_;",)
+        lets = () if rms else ("const float sh_ = fp_ld(p.in0[xo_]); (void)sh_;",)
         return RowProgram(rows, n, outer, xv, 0, outs, routs, tuple(params), regs + tail,
                           None if loop is None else loop + tail, lets)
 
