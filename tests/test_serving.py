@@ -528,6 +528,7 @@ def test_bench_serve_smoke_on_cpu(tmp_path, monkeypatch):
     cols = data["results"]["tiny-llama"]["columns"]
     assert set(cols) >= {"eager", "graphs"}
     assert cols["graphs"]["top1"] == 1.0 and cols["graphs"]["max_err_over_scale"] < 1e-4
+    assert cols["graphs"]["top1_clear"] in (1.0, None) and 0 <= cols["graphs"]["clear_share"] <= 1
     assert cols["graphs"]["serving"]["graphs"]["replays"] > 0
     loop = cols["graphs"]["serving"]["decode_loop"]  # every request of the column: the graph-captured decode loop
     assert loop["requests"] > 0 and not loop["fallbacks"] and not loop["failures"], loop
@@ -598,3 +599,17 @@ def test_a_failed_cold_process_is_reported_not_raised():
     tiny = recipe.resolve("tiny-llama").replace(target={"device": "cpu"})
     got = servebench.cold_process(tiny, servebench.ServeSettings(requests=1), "no_such_pack_module")
     assert "the cold process failed (exit 1)" in got["error"] and "no_such_pack_module" in got["error"], got
+
+
+def test_a_near_tie_is_not_a_clear_decode_step():
+    """The serving benchmark's `top-1 (clear)` leaves out steps whose eager top two logits lie within
+    CLEAR_GAP of the step's scale (random weights make many; any reordering flips some)."""
+    import torch
+
+    from forgepack.servebench import CLEAR_GAP, clear_positions
+
+    scale = 10.0
+    ref = torch.tensor([[scale, scale * (1 - CLEAR_GAP / 2), 0.0],   # a near-tie
+                        [scale, scale * (1 - 2 * CLEAR_GAP), 0.0],   # clear
+                        [-scale, 0.0, 1.0]])                         # clear: the scale is |logit|
+    assert clear_positions(ref).tolist() == [False, True, True]

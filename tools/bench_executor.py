@@ -208,6 +208,10 @@ def comparisons(arms: list[dict]) -> dict:
     kernels = {name: tuple(map(tuple, a["accepted"])) for name, a in ran.items()}
     first = next(iter(kernels.values()), ())
     out["same_accepted"] = all(k == first for k in kernels.values())
+    # The same candidates, in the same order, on every arm: the executor did not change the search. A
+    # differing accepted set is then the verdicts' timing (a candidate near the margin), not the executor.
+    sources = [r.get("sources") for a in ran.values() for r in a["runs"]]
+    out["same_candidates"] = bool(sources) and all(s and s == sources[0] for s in sources)
     for count in ("1", "2", "all"):  # the executors against each other at the same evaluator count, run by run
         pair = [ran.get(f"{kind}:{count}") for kind in ("local", "ray")]
         if None not in pair:
@@ -290,6 +294,9 @@ def markdown(info: dict, data: dict) -> str:
             same = c[f"same_accepted_at_{count}"]
             text += f"- local:{count} and ray:{count} accepted the same kernels, run by run: " \
                     f"{', '.join('yes' if x else 'NO' for x in same)}\n"
+    if "same_candidates" in c:
+        text += f"- the same candidates evaluated, in the same order, on every arm: " \
+                f"{'yes' if c['same_candidates'] else 'NO'}\n"
     text += f"- same accepted kernels on every arm: {'yes' if c['same_accepted'] else 'NO'}\n"
     if not c["same_accepted"]:
         for name, missing in c["accepted_differences"].items():
