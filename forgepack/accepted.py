@@ -36,6 +36,9 @@ class AcceptedKernel:
     kind: str = "op"  # "op" | "fusion"
     needs: Needs | None = None  # what the kernel states it needs of its inputs (None: `needs.default`)
     binary_sha256: str = ""  # of the object that was verified and timed; the builder ships only that content
+    # A family kernel that pays on part of its range only: per free dim (name, lo, hi), the sub-range it is
+    # kept for (`familyeval.narrowest_paying`; verified, as the whole range was); () serves the whole range.
+    served: tuple[tuple[str, int, int], ...] = ()
 
 
 def save_all(workspace_root: Path, kernels: list[AcceptedKernel]) -> Path:
@@ -59,4 +62,5 @@ def _to_json(k: AcceptedKernel) -> dict[str, Any]:
 
 def _from_json(d: dict[str, Any]) -> AcceptedKernel:
     stated = d.get("needs")
-    return AcceptedKernel(**{**d, "needs": None if stated is None else needs_mod.from_json(stated)})
+    served = tuple((n, int(lo), int(hi)) for n, lo, hi in d.get("served", ()))
+    return AcceptedKernel(**{**d, "needs": None if stated is None else needs_mod.from_json(stated), "served": served})
