@@ -19,7 +19,8 @@ way. Each point's figures stay in `diagnostics["family"]["points"]`.
 A kernel that wins on part of the envelope and loses on the rest (fast at long sequences, slow at short
 ones) is kept for the sub-range where it wins (`sub_range`): the box along the family's free dims that
 holds the most eager time gained at winning timed points and no losing one. Its verdict is the narrowed
-family's: `diagnostics["family"]["served"]` (per free dim (name, lo, hi)), and the envelope figure with
+family's: `diagnostics["family"]["served"]` (per free dim (name, lo, hi); `whole`: the whole range's
+figures, `served_share`: the envelope's eager time inside the sub-range), and the envelope figure with
 the points outside at stock's 1.0x (the guard sends those calls to stock), which the allocator, the
 accept rule and the gate use. Verification covered the whole range, so the sub-range is verified.
 
@@ -263,6 +264,7 @@ def _narrowed(card: Card, timed: list[tuple[dict, Verdict]], weights: list[float
     """The verdict of the family narrowed to `sub_range`: the points outside served by stock (1.0x).
     `whole`: the whole range's timing, the verdict's where no sub-range pays."""
     box = sub_range(card.family, figures, margin)
+    diagnostics["family"]["whole"] = whole
     if box is None:
         return Verdict(False, "slower", f"verified but no sub-range pays without a losing point: {summary}",
                        diagnostics, **whole, **base)
