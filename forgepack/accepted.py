@@ -41,6 +41,18 @@ class AcceptedKernel:
     served: tuple[tuple[str, int, int], ...] = ()
 
 
+def served_of(verdict: dict | None) -> tuple[tuple[str, int, int], ...]:
+    """The sub-range a family verdict (as the store keeps it) kept its kernel for (`familyeval`), ()
+    for the whole range."""
+    family = ((verdict or {}).get("diagnostics") or {}).get("family") or {}
+    return tuple((n, int(lo), int(hi)) for n, lo, hi in family.get("served", ()))
+
+
+def served_text(served: tuple[tuple[str, int, int], ...]) -> str:
+    """`d1 in 256..2048`, the form reports show a sub-range in."""
+    return ", ".join(f"{n} in {lo}..{hi}" for n, lo, hi in served)
+
+
 def save_all(workspace_root: Path, kernels: list[AcceptedKernel]) -> Path:
     path = Path(workspace_root) / FILE
     tmp = path.with_suffix(".json.tmp")

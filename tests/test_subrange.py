@@ -24,14 +24,16 @@ from rich.console import Console
 from test_familyeval import _timed
 from test_shim_families import FAMILY_NEEDS, family_card, mul_inputs
 
-from forgepack import accepted, cards, families, familyeval
+from forgepack import accepted, cards, families, familyeval, report
+from forgepack import recipe as recipe_mod
 from forgepack.cards import Dim, Family, TensorMeta
 from forgepack.cli.inspect import read_manifest, variants_table
 from forgepack.evaluate import Evaluator, Verdict
 from forgepack.familyeval import PointFigure, sub_range
 from forgepack.pack import builder
 from forgepack.pack import manifest as manifest_mod
-from forgepack.search.run import served_of
+from forgepack.search.store import CandidateRecord
+from forgepack.workspace import Workspace
 
 TESTS = Path(__file__).resolve().parent
 PACKAGE = "forgepack_pack_tiny_llama"
@@ -130,9 +132,10 @@ def test_the_sub_range_round_trips_through_verdict_record_card_and_manifest(tmp_
     card = family_card()
     verdict = _fold(card, [0.6, 2.0, 3.0, 0.8])
     stored = json.loads(json.dumps(verdict.to_json()))  # as the store keeps it
-    assert served_of(stored) == (("d1", 5, 7),) and served_of(Verdict(True, None, "ok").to_json()) == ()
+    assert accepted.served_of(stored) == (("d1", 5, 7),)
+    assert accepted.served_of(Verdict(True, None, "ok").to_json()) == ()
     rec = dataclasses.replace(accepted.AcceptedKernel("x", "cpu", None, "s", "b", "h", 1.2, 1.1, 1.3, 2, 1, "manual"),
-                              card_id=card.id, served=served_of(stored))
+                              card_id=card.id, served=accepted.served_of(stored))
     accepted.save_all(tmp_path, [rec])
     assert accepted.load_all(tmp_path) == [rec]
     narrowed = families.narrow(card, rec.served)
@@ -229,3 +232,17 @@ def test_the_compiled_guard_serves_the_sub_range_and_sends_the_rest_to_stock(sta
     Console(file=text, width=250).print(variants_table(manifest))
     assert "served d1 in 5..7" in text.getvalue()
     assert manifest_mod.loads(manifest_mod.dumps(manifest)) == manifest
+
+
+def test_the_report_says_where_a_kernel_was_kept_for_a_sub_range(tmp_path):
+    ws = Workspace(tmp_path / "ws").create()
+    ws.save_recipe(recipe_mod.resolve("tiny-llama"))
+    card = family_card()
+    verdict = _fold(card, [0.6, 2.0, 3.0, 0.8])
+    best = CandidateRecord(1, card.id, None, None, "manual", {}, "h", "s.cpp", "evaluated", accepted=True,
+                           speedup=verdict.speedup, ci_low=verdict.ci_low, ci_high=verdict.ci_high,
+                           eager_us=verdict.eager_us, kernel_us=verdict.kernel_us, verdict=verdict.to_json())
+    row = report.CardSearch(card.id, card, (), (best,), best, best, None, None)
+    text = str(report.section_results(report.gather(ws.root), [row], None))
+    assert "kept for d1 in 5..7; stock serves the rest of the range" in text
+    assert report.served_note(dataclasses.replace(best, verdict=Verdict(True, None, "ok").to_json())) == ""

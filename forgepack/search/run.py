@@ -461,16 +461,10 @@ class Search:
                     kind=card.kind,
                     needs=needs_of(card, self.settings.target, rec.params) if card.kind == "op" else None,
                     binary_sha256=(rec.verdict or {}).get("diagnostics", {}).get("binary_sha256", ""),
-                    served=served_of(rec.verdict),
+                    served=accepted_mod.served_of(rec.verdict),
                 )
             )
         return sorted(out, key=lambda k: -self.cards[k.card_id].profile.share)
-
-
-def served_of(verdict: dict | None) -> tuple[tuple[str, int, int], ...]:
-    """The sub-range a family verdict kept its kernel for (`familyeval`), () for the whole range."""
-    family = ((verdict or {}).get("diagnostics") or {}).get("family") or {}
-    return tuple((n, int(lo), int(hi)) for n, lo, hi in family.get("served", ()))
 
 
 def call_result(cand: CandidateRecord) -> CallResult:
