@@ -32,7 +32,8 @@ from forgepack.evaluate import Evaluator, Verdict
 from forgepack.familyeval import PointFigure, sub_range
 from forgepack.pack import builder
 from forgepack.pack import manifest as manifest_mod
-from forgepack.search.store import CandidateRecord
+from forgepack.search.run import verdict_row
+from forgepack.search.store import Store
 from forgepack.workspace import Workspace
 
 TESTS = Path(__file__).resolve().parent
@@ -239,9 +240,11 @@ def test_the_report_says_where_a_kernel_was_kept_for_a_sub_range(tmp_path):
     ws.save_recipe(recipe_mod.resolve("tiny-llama"))
     card = family_card()
     verdict = _fold(card, [0.6, 2.0, 3.0, 0.8])
-    best = CandidateRecord(1, card.id, None, None, "manual", {}, "h", "s.cpp", "evaluated", accepted=True,
-                           speedup=verdict.speedup, ci_low=verdict.ci_low, ci_high=verdict.ci_high,
-                           eager_us=verdict.eager_us, kernel_us=verdict.kernel_us, verdict=verdict.to_json())
+    with Store(ws.store_path) as store:  # the verdict as the search records it, read back as the report does
+        _, cand = store.record_call(card_id=card.id, parent_id=None, proposer="manual", reason="test",
+                                    source_hash="h", source_path="s.cpp", params={})
+        best = store.record_verdict(cand.id, verdict_row(verdict, 0.05, "k.so"))
+    assert accepted.served_of(best.verdict) == (("d1", 5, 7),)
     row = report.CardSearch(card.id, card, (), (best,), best, best, None, None)
     text = str(report.section_results(report.gather(ws.root), [row], None))
     assert "kept for d1 in 5..7; stock serves the rest of the range" in text
