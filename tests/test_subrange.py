@@ -249,3 +249,16 @@ def test_the_report_says_where_a_kernel_was_kept_for_a_sub_range(tmp_path):
     text = str(report.section_results(report.gather(ws.root), [row], None))
     assert "kept for d1 in 5..7; stock serves the rest of the range" in text
     assert report.served_note(dataclasses.replace(best, verdict=Verdict(True, None, "ok").to_json())) == ""
+    # and the envelope benchmark's summary of the build (tools/bench_envelope.py)
+    accepted.save_all(ws.root, [accepted.AcceptedKernel(card.id, "cpu", None, "s.cpp", "k.so", "h", verdict.speedup,
+                                                        verdict.ci_low, verdict.ci_high, 10.0, 5.0, "manual",
+                                                        candidate_id=best.id, served=(("d1", 5, 7),))])
+    sys.path.insert(0, str(TESTS.parent / "tools"))
+    try:
+        import bench_envelope
+    finally:
+        sys.path.remove(str(TESTS.parent / "tools"))
+    (kernel,) = bench_envelope.family_kernels(ws.root)
+    assert kernel["served"] == "d1 in 5..7" and kernel["speedup"] > kernel["whole_speedup"]
+    assert [p["speedup"] for p in kernel["points"]] == [0.6, 2.0, 3.0, 0.8]
+    assert "| d1 in 5..7 |" in bench_envelope.families_md([kernel])
