@@ -168,22 +168,31 @@ def _calls(card: Card, values: dict) -> int:
 def _weights(card: Card, timed: list[tuple[dict, Verdict]]) -> list[float]:
     """Each timed point's share of the family's eager time over the envelope: its own, plus that of the
     untimed captured points nearest it in bytes (their eager time scaled from it by bytes)."""
+    raw = [0.0] * len(timed)
+    for _, j, w in _shares(card, timed):
+        raw[j] += w
+    total = sum(raw)
+    return [w / total for w in raw] if total > 0 else [1.0 / len(timed)] * len(timed)
+
+
+def _shares(card: Card, timed: list[tuple[dict, Verdict]]) -> list[tuple[dict, int, float]]:
+    """Per captured point: its dim values, the timed point that stands for it (itself, else the nearest in
+    bytes) and its eager time there (profile's weight, else calls x eager time scaled by bytes)."""
     fam = card.family
     points = [dict(p) for p in fam.points]
     size = {i: _bytes(card, values) for i, values in enumerate(points)}
     timed_size = [_bytes(card, values) for values, _ in timed]
-    raw = [0.0] * len(timed)
+    out = []
     for i, values in enumerate(points):
         j = next((k for k, (v, _) in enumerate(timed) if v == values), None)
         if j is None:
             j = min(range(len(timed)), key=lambda k: abs(timed_size[k] - size[i]))
         if fam.point_weights and len(fam.point_weights) == len(points):
-            raw[j] += fam.point_weights[i]
+            out.append((values, j, fam.point_weights[i]))
         else:
             calls = fam.point_calls[i] if i < len(fam.point_calls) else 0
-            raw[j] += max(calls, 1) * timed[j][1].eager_us * size[i] / max(timed_size[j], 1)
-    total = sum(raw)
-    return [w / total for w in raw] if total > 0 else [1.0 / len(timed)] * len(timed)
+            out.append((values, j, max(calls, 1) * timed[j][1].eager_us * size[i] / max(timed_size[j], 1)))
+    return out
 
 
 def _harmonic(weights: list[float], speedups: list[float]) -> float:
@@ -271,17 +280,21 @@ def _narrowed(card: Card, timed: list[tuple[dict, Verdict]], weights: list[float
     # The box lies inside the verified range (its ends are timed points' values or the range's ends);
     # `families.narrow` holds every later stage to that.
     served = families.narrow(card, box).family.served
-    inside = [_inside(box, f.values) for f in figures]
-    kept = [f if i else dataclasses.replace(f, speedup=1.0, ci_low=1.0) for f, i in zip(figures, inside, strict=True)]
-    highs = [v.ci_high if i else 1.0 for (_, v), i in zip(timed, inside, strict=True)]
-    speedup = _harmonic(weights, [f.speedup for f in kept])
-    low = _harmonic(weights, [f.ci_low for f in kept])
-    high = _harmonic(weights, highs)
+    inside = [_inside(box, f.values) for f in figures]  # the timed points
+    # Each captured point where the guard puts it: inside the box, timed as the timed point standing for it
+    # (an untimed neighbour by bytes); outside, stock's 1.0x.
+    raw = _shares(card, timed)
+    total = sum(w for _, _, w in raw)
+    shares = [(w / total if total > 0 else 1.0 / len(raw), timed[j][1] if _inside(box, values) else None)
+              for values, j, w in raw]
+    speedup = _harmonic([w for w, _ in shares], [v.speedup if v else 1.0 for _, v in shares])
+    low = _harmonic([w for w, _ in shares], [v.ci_low if v else 1.0 for _, v in shares])
+    high = _harmonic([w for w, _ in shares], [v.ci_high if v else 1.0 for _, v in shares])
     calls = [max(_calls(card, values), 1) for values, _ in timed]
     eager = sum(c * v.eager_us for c, (_, v) in zip(calls, timed, strict=True)) / sum(calls)
     kernel = sum(c * (v.kernel_us if i else v.eager_us)
                  for c, (_, v), i in zip(calls, timed, inside, strict=True)) / sum(calls)
-    share = sum(w for w, i in zip(weights, inside, strict=True) if i)
+    share = sum(w for w, v in shares if v is not None)
     where = ", ".join(f"{n} in {lo}..{hi}" for n, lo, hi in served) or "its whole range"
     diagnostics["family"].update(served=[list(x) for x in served], served_share=share)
     text = (f"kept for {where} ({share:.0%} of the envelope's eager time; stock serves the rest): envelope "

@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from pack_kernels import MUL, _record, tiny_llama_workspace
 from rich.console import Console
 from test_familyeval import _timed
@@ -26,6 +27,7 @@ from test_shim_families import FAMILY_NEEDS, family_card, mul_inputs
 
 from forgepack import accepted, cards, families, familyeval, report
 from forgepack import recipe as recipe_mod
+from forgepack.capture import card_from_call
 from forgepack.cards import Dim, Family, TensorMeta
 from forgepack.cli.inspect import read_manifest, variants_table
 from forgepack.evaluate import Evaluator, Verdict
@@ -262,3 +264,24 @@ def test_the_report_says_where_a_kernel_was_kept_for_a_sub_range(tmp_path):
     assert kernel["served"] == "d1 in 5..7" and kernel["speedup"] > kernel["whole_speedup"]
     assert [p["speedup"] for p in kernel["points"]] == [0.6, 2.0, 3.0, 0.8]
     assert "| d1 in 5..7 |" in bench_envelope.families_md([kernel])
+
+
+def test_untimed_points_count_where_the_guard_puts_them_not_where_their_timed_neighbour_is():
+    """Past MAX_TIMED_POINTS a timed point stands for its untimed neighbours by bytes; narrowed, each
+    captured point's weight is inside or outside by its own sizes (the guard's view), not its stand-in's."""
+    cat = torch.ops.aten.cat.default
+    calls = [card_from_call(cat, ([torch.randn(b, 2, n, 8), torch.randn(b, 2, 1, 8)], -2), {})[0]
+             for b in (1, 2, 4) for n in (8, 9, 29, 64)]
+    (card,) = families.fold(calls)
+    card = dataclasses.replace(card, family=dataclasses.replace(card.family, point_weights=(1.0,) * 12))
+    timed = familyeval.timed_points(card)
+    past = next(d.name for d in families.free_dims(card.family) if {p[d.name] for p in timed} >= {8, 64})
+    speeds = [3.0 if p[past] >= 29 else 0.8 for p in timed]
+    verdict = familyeval._folded(card, [(p, _timed(s, 10.0)) for p, s in zip(timed, speeds, strict=True)], timed,
+                                 margin=0.05, bench=True, skipped=[])
+    served = dict((n, (lo, hi)) for n, lo, hi in verdict.diagnostics["family"]["served"])
+    lo, hi = served[past]
+    inside = [p for p in card.family.points if lo <= dict(p)[past] <= hi]
+    assert lo >= 29 and verdict.diagnostics["family"]["served_share"] == pytest.approx(len(inside) / 12)
+    share = len(inside) / 12
+    assert verdict.speedup <= 1 / (share / 3.0 + (1 - share)) + 1e-9
