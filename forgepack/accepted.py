@@ -36,6 +36,21 @@ class AcceptedKernel:
     kind: str = "op"  # "op" | "fusion"
     needs: Needs | None = None  # what the kernel states it needs of its inputs (None: `needs.default`)
     binary_sha256: str = ""  # of the object that was verified and timed; the builder ships only that content
+    # A family kernel that pays on part of its range only: per free dim (name, lo, hi), the sub-range it is
+    # kept for (`familyeval.narrowest_paying`; verified, as the whole range was); () serves the whole range.
+    served: tuple[tuple[str, int, int], ...] = ()
+
+
+def served_of(verdict: dict | None) -> tuple[tuple[str, int, int], ...]:
+    """The sub-range a family verdict (as the store keeps it) kept its kernel for (`familyeval`), ()
+    for the whole range."""
+    family = ((verdict or {}).get("diagnostics") or {}).get("family") or {}
+    return tuple((n, int(lo), int(hi)) for n, lo, hi in family.get("served", ()))
+
+
+def served_text(served: tuple[tuple[str, int, int], ...]) -> str:
+    """`d1 in 256..2048`, the form reports show a sub-range in."""
+    return ", ".join(f"{n} in {lo}..{hi}" for n, lo, hi in served)
 
 
 def save_all(workspace_root: Path, kernels: list[AcceptedKernel]) -> Path:
@@ -59,4 +74,5 @@ def _to_json(k: AcceptedKernel) -> dict[str, Any]:
 
 def _from_json(d: dict[str, Any]) -> AcceptedKernel:
     stated = d.get("needs")
-    return AcceptedKernel(**{**d, "needs": None if stated is None else needs_mod.from_json(stated)})
+    served = tuple((n, int(lo), int(hi)) for n, lo, hi in d.get("served", ()))
+    return AcceptedKernel(**{**d, "needs": None if stated is None else needs_mod.from_json(stated), "served": served})

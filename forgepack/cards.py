@@ -231,6 +231,10 @@ class Family:
     points: tuple[tuple[tuple[str, int], ...], ...] = ()  # each point: ((dim, value), ...)
     point_calls: tuple[int, ...] = ()
     point_weights: tuple[float, ...] = ()
+    # The sub-range a kernel is kept for (`familyeval.narrowest_paying`): per free dim (name, lo, hi)
+    # inside its range, where the kernel pays; its guard admits only that, stock serves the rest. The
+    # kernel was verified over all of `dims`, so a served range is verified. () serves the whole range.
+    served: tuple[tuple[str, int, int], ...] = ()
 
     def dim(self, name: str) -> Dim:
         for d in self.dims:
@@ -239,8 +243,17 @@ class Family:
         raise KeyError(name)
 
     def key(self) -> tuple:
-        """What identifies the family (not its captured points)."""
+        """What identifies the family (not its captured points, nor the range a kernel serves of it)."""
         return (self.dims, self.inputs, self.outputs)
+
+    def served_range(self, name: str) -> tuple[int, int]:
+        """(lo, hi) a guard admits for this dim: its served sub-range, else its range. A derived dim's
+        is its range cut to what its base dims' served ranges can sum to."""
+        d = self.dim(name)
+        if not d.derived:
+            return next(((lo, hi) for n, lo, hi in self.served if n == name), (d.min, d.max))
+        ends = [self.served_range(b) for b in d.base]
+        return (max(d.min, sum(lo for lo, _ in ends) + d.offset), min(d.max, sum(hi for _, hi in ends) + d.offset))
 
 
 Ref = tuple  # a chain's tensor: ("in", i) the card's tensor input i, ("t", p, k) output k of chain entry p
@@ -420,8 +433,15 @@ class Card:
                 next(layouts)
             elif a.value is not None:
                 parts.append(f"{a.name}={_short_value(a.value)}")
-        ranges = ", ".join(d.text() for d in self.family.dims)
-        return ", ".join(parts) + " | " + ranges
+        return ", ".join(parts) + " | " + self.family_text()
+
+    def family_text(self) -> str:
+        """A family's dims and ranges, then the sub-range its kernel serves where one was narrowed:
+        `d0 in 1..8, d1 in 16..2048 served d1 in 256..2048`."""
+        text = ", ".join(d.text() for d in self.family.dims)
+        if self.family.served:
+            text += " served " + ", ".join(f"{n} in {lo}..{hi}" for n, lo, hi in self.family.served)
+        return text
 
     def with_profile(self, profile: Profile) -> Card:
         return dataclasses.replace(self, profile=profile)
@@ -478,6 +498,8 @@ def variant_id(op: str, args: tuple[Arg, ...]) -> str:
 def to_json(card: Card) -> dict[str, Any]:
     data = dataclasses.asdict(card)
     data["id"] = card.id
+    if card.family is not None and not card.family.served:
+        del data["family"]["served"]  # the whole range: the JSON cards had before sub-ranges
     # the chain's JSON is the one its digest (in `args`) was taken over, and what older workspaces hold
     data["chain"] = [e.to_json() for e in card.chain]
     data["fusion"] = None if card.fusion is None else card.fusion.to_json()
@@ -546,6 +568,7 @@ def _family(d: dict | None) -> Family | None:
         points=tuple(tuple((n, v) for n, v in p) for p in d.get("points", ())),
         point_calls=tuple(d.get("point_calls", ())),
         point_weights=tuple(d.get("point_weights", ())),
+        served=tuple((n, lo, hi) for n, lo, hi in d.get("served", ())),
     )
 
 

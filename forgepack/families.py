@@ -324,10 +324,11 @@ def bind(card: Card, metas: list[TensorMeta | None]) -> dict[str, int] | None:
             elif values.setdefault(want, got) != got:
                 return None
     for d in free_dims(family):
-        if d.name not in values or not d.min <= values[d.name] <= d.max:
+        lo, hi = family.served_range(d.name)
+        if d.name not in values or not lo <= values[d.name] <= hi:
             return None
     values = complete(family, values)
-    if any(not d.min <= values[d.name] <= d.max for d in family.dims):
+    if any(not _inside(family.served_range(d.name), values[d.name]) for d in family.dims):
         return None
     for layout, meta in zip(family.inputs, metas, strict=True):
         if layout is None:
@@ -341,8 +342,37 @@ def bind(card: Card, metas: list[TensorMeta | None]) -> dict[str, int] | None:
     return values
 
 
+def _inside(ends: tuple[int, int], value: int) -> bool:
+    return ends[0] <= value <= ends[1]
+
+
 def describe(card: Card) -> str:
-    """Short human form of a family: its dims and ranges, e.g. `d0 in 1..8, d1 in 16..2048`."""
+    """Short human form of a family: its dims and ranges, e.g. `d0 in 1..8, d1 in 16..2048`, and the
+    sub-range its kernel serves where it was narrowed (`served d1 in 256..2048`)."""
     if card.family is None:
         return ""
-    return ", ".join(d.text() for d in card.family.dims)
+    return card.family_text()
+
+
+# --- sub-ranges -------------------------------------------------------------------------------------------
+
+
+def narrow(card: Card, served: Iterable[tuple[str, int, int]]) -> Card:
+    """`card` with its family served over this sub-range only (`Family.served`): what a kernel that pays
+    only there is kept for. Each (dim, lo, hi) must be a free dim's and lie inside its range, the range
+    the kernel was verified over: a sub-range never admits a size verification did not cover."""
+    family = card.family
+    if family is None:
+        raise ValueError(f"{card.id} is not a family card: nothing to narrow")
+    served = tuple((n, int(lo), int(hi)) for n, lo, hi in served)
+    free = {d.name: d for d in free_dims(family)}
+    for name, lo, hi in served:
+        d = free.get(name)
+        if d is None:
+            raise ValueError(f"{card.id} has no free dim {name!r} to narrow")
+        if not d.min <= lo <= hi <= d.max:
+            raise ValueError(f"{card.id}: {name} in {lo}..{hi} is not inside its verified range {d.min}..{d.max}")
+    if len({n for n, _, _ in served}) != len(served):
+        raise ValueError(f"{card.id}: a dim narrowed twice in {served}")
+    served = tuple((n, lo, hi) for n, lo, hi in served if (lo, hi) != (free[n].min, free[n].max))
+    return dataclasses.replace(card, family=dataclasses.replace(family, served=served))

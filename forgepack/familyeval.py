@@ -14,8 +14,15 @@ them by bytes, each untimed point's weight given to the nearest timed one), the 
 envelope-weighted figure: with `w_i` the share of the family's eager time at point i
 (`Family.point_weights` when profile set them, else calls x eager time), speed-up = 1 / sum(w_i / s_i),
 the ratio of eager to kernel time summed over the envelope; the interval's ends are combined the same
-way. Each point's figures stay in `diagnostics["family"]["points"]`, for a later step that keeps a
-kernel only for the sub-range where it wins.
+way. Each point's figures stay in `diagnostics["family"]["points"]`.
+
+A kernel that wins on part of the envelope and loses on the rest (fast at long sequences, slow at short
+ones) is kept for the sub-range where it wins (`sub_range`): the box along the family's free dims that
+holds the most eager time gained at winning timed points and no losing one. Its verdict is the narrowed
+family's: `diagnostics["family"]["served"]` (per free dim (name, lo, hi); `whole`: the whole range's
+figures, `served_share`: the envelope's eager time inside the sub-range), and the envelope figure with
+the points outside at stock's 1.0x (the guard sends those calls to stock), which the allocator, the
+accept rule and the gate use. Verification covered the whole range, so the sub-range is verified.
 
 Exact-shape cards go straight to the `Evaluator`, unchanged.
 """
@@ -23,10 +30,12 @@ Exact-shape cards go straight to the `Evaluator`, unchanged.
 from __future__ import annotations
 
 import dataclasses
+import itertools
+from dataclasses import dataclass
 from pathlib import Path
 
 from forgepack import families, staticcheck
-from forgepack.cards import Card
+from forgepack.cards import Card, Family
 from forgepack.compile import CompileResult, compile_kernel
 from forgepack.errors import ForgepackError
 from forgepack.evaluate import Evaluator, Progress, Verdict, accept_rule
@@ -138,6 +147,10 @@ def _folded(card: Card, verdicts: list[tuple[dict, Verdict]], captured: list[dic
     summary = (f"envelope {speedup:.3f}x (95% interval {low:.3f}-{high:.3f}) over {len(timed)} timed sizes "
                f"({per_point}); verified at {n} sizes")
     timing = dict(eager_us=eager, kernel_us=kernel, speedup=speedup, ci_low=low, ci_high=high)
+    figures = [PointFigure(values, w, v.speedup, v.ci_low) for (values, v), w in zip(timed, weights, strict=True)]
+    wins = [f.wins(margin) for f in figures]
+    if any(wins) and not all(wins):  # pays on part of the envelope only: keep it there (module doc)
+        return _narrowed(card, timed, weights, figures, margin, diagnostics, base, summary, timing)
     if accept_rule(speedup, low, margin):
         return Verdict(True, None, f"verified; {summary}", diagnostics, **timing, **base)
     return Verdict(False, "slower", f"verified but not fast enough: {summary}; needs >= {1 + margin:.3f}x",
@@ -155,24 +168,139 @@ def _calls(card: Card, values: dict) -> int:
 def _weights(card: Card, timed: list[tuple[dict, Verdict]]) -> list[float]:
     """Each timed point's share of the family's eager time over the envelope: its own, plus that of the
     untimed captured points nearest it in bytes (their eager time scaled from it by bytes)."""
+    raw = [0.0] * len(timed)
+    for _, j, w in _shares(card, timed):
+        raw[j] += w
+    total = sum(raw)
+    return [w / total for w in raw] if total > 0 else [1.0 / len(timed)] * len(timed)
+
+
+def _shares(card: Card, timed: list[tuple[dict, Verdict]]) -> list[tuple[dict, int, float]]:
+    """Per captured point: its dim values, the timed point that stands for it (itself, else the nearest in
+    bytes) and its eager time there (profile's weight, else calls x eager time scaled by bytes)."""
     fam = card.family
     points = [dict(p) for p in fam.points]
     size = {i: _bytes(card, values) for i, values in enumerate(points)}
     timed_size = [_bytes(card, values) for values, _ in timed]
-    raw = [0.0] * len(timed)
+    out = []
     for i, values in enumerate(points):
         j = next((k for k, (v, _) in enumerate(timed) if v == values), None)
         if j is None:
             j = min(range(len(timed)), key=lambda k: abs(timed_size[k] - size[i]))
         if fam.point_weights and len(fam.point_weights) == len(points):
-            raw[j] += fam.point_weights[i]
+            out.append((values, j, fam.point_weights[i]))
         else:
             calls = fam.point_calls[i] if i < len(fam.point_calls) else 0
-            raw[j] += max(calls, 1) * timed[j][1].eager_us * size[i] / max(timed_size[j], 1)
-    total = sum(raw)
-    return [w / total for w in raw] if total > 0 else [1.0 / len(timed)] * len(timed)
+            out.append((values, j, max(calls, 1) * timed[j][1].eager_us * size[i] / max(timed_size[j], 1)))
+    return out
 
 
 def _harmonic(weights: list[float], speedups: list[float]) -> float:
     """Eager over kernel time summed over the envelope, given each point's share of the eager time."""
     return 1.0 / sum(w / max(s, 1e-12) for w, s in zip(weights, speedups, strict=True))
+
+
+# --- the sub-range where a kernel pays ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PointFigure:
+    """One timed point of a family: its dim values, its share of the envelope's eager time, its figures."""
+
+    values: dict[str, int]
+    weight: float
+    speedup: float
+    ci_low: float
+
+    def wins(self, margin: float) -> bool:
+        """Pays here by the accept rule: speed-up at least 1 + margin, its interval above 1."""
+        return accept_rule(self.speedup, self.ci_low, margin)
+
+    def gain(self) -> float:
+        """The share of the envelope's eager time the kernel saves here (negative where it loses)."""
+        return self.weight * (1.0 - 1.0 / max(self.speedup, 1e-12))
+
+
+Box = tuple[tuple[str, int, int], ...]  # per free dim (name, lo, hi)
+
+
+def _inside(box: Box, values: dict[str, int]) -> bool:
+    return all(lo <= values[name] <= hi for name, lo, hi in box)
+
+
+def sub_range(family: Family, figures: list[PointFigure], margin: float) -> Box | None:
+    """The box along the family's free dims, inside its range, that holds no losing timed point and the
+    most eager time gained at winning ones; None where no such box gains anything (no point wins, or
+    each winner's point is a loser's too).
+
+    Candidate boxes have their ends at timed points' values (per dim every [lo, hi] of them, at most
+    MAX_TIMED_POINTS^2 / 2 per dim). The chosen box is then widened, one side at a time, to the range's
+    end wherever that admits no loser: sizes beyond the last winner are served as the envelope's corner
+    was measured. Between a winner and a loser it ends at the winner (the sizes in between were not
+    measured, so stock keeps them)."""
+    free = families.free_dims(family)
+    losers = [f.values for f in figures if not f.wins(margin)]
+    winners = [f for f in figures if f.wins(margin)]
+    if not winners:
+        return None
+    sides = []
+    for d in free:
+        ends = sorted({f.values[d.name] for f in figures})
+        sides.append([(d.name, lo, hi) for lo, hi in itertools.combinations_with_replacement(ends, 2)])
+    best, best_gain = None, 0.0
+    for box in itertools.product(*sides):
+        if any(_inside(box, v) for v in losers):
+            continue
+        gain = sum(f.gain() for f in winners if _inside(box, f.values))
+        if gain > best_gain + 1e-15:
+            best, best_gain = box, gain
+    return None if best is None else _widened(best, free, losers)
+
+
+def _widened(box: Box, free: list, losers: list[dict[str, int]]) -> Box:
+    out = list(box)
+    for k, d in enumerate(free):
+        for end in ("lo", "hi"):
+            name, lo, hi = out[k]
+            trial = (name, d.min, hi) if end == "lo" else (name, lo, d.max)
+            if not any(_inside((*out[:k], trial, *out[k + 1:]), v) for v in losers):
+                out[k] = trial
+    return tuple(out)
+
+
+def _narrowed(card: Card, timed: list[tuple[dict, Verdict]], weights: list[float], figures: list[PointFigure],
+              margin: float, diagnostics: dict, base: dict, summary: str, whole: dict) -> Verdict:
+    """The verdict of the family narrowed to `sub_range`: the points outside served by stock (1.0x).
+    `whole`: the whole range's timing, the verdict's where no sub-range pays."""
+    box = sub_range(card.family, figures, margin)
+    diagnostics["family"]["whole"] = whole
+    if box is None:
+        return Verdict(False, "slower", f"verified but no sub-range pays without a losing point: {summary}",
+                       diagnostics, **whole, **base)
+    # The box lies inside the verified range (its ends are timed points' values or the range's ends);
+    # `families.narrow` holds every later stage to that.
+    served = families.narrow(card, box).family.served
+    inside = [_inside(box, f.values) for f in figures]  # the timed points
+    # Each captured point where the guard puts it: inside the box, timed as the timed point standing for it
+    # (an untimed neighbour by bytes); outside, stock's 1.0x.
+    raw = _shares(card, timed)
+    total = sum(w for _, _, w in raw)
+    shares = [(w / total if total > 0 else 1.0 / len(raw), timed[j][1] if _inside(box, values) else None)
+              for values, j, w in raw]
+    speedup = _harmonic([w for w, _ in shares], [v.speedup if v else 1.0 for _, v in shares])
+    low = _harmonic([w for w, _ in shares], [v.ci_low if v else 1.0 for _, v in shares])
+    high = _harmonic([w for w, _ in shares], [v.ci_high if v else 1.0 for _, v in shares])
+    calls = [max(_calls(card, values), 1) for values, _ in timed]
+    eager = sum(c * v.eager_us for c, (_, v) in zip(calls, timed, strict=True)) / sum(calls)
+    kernel = sum(c * (v.kernel_us if i else v.eager_us)
+                 for c, (_, v), i in zip(calls, timed, inside, strict=True)) / sum(calls)
+    share = sum(w for w, v in shares if v is not None)
+    where = ", ".join(f"{n} in {lo}..{hi}" for n, lo, hi in served) or "its whole range"
+    diagnostics["family"].update(served=[list(x) for x in served], served_share=share)
+    text = (f"kept for {where} ({share:.0%} of the envelope's eager time; stock serves the rest): envelope "
+            f"{speedup:.3f}x (95% interval {low:.3f}-{high:.3f}); over the whole range {summary}")
+    timing = dict(eager_us=eager, kernel_us=kernel, speedup=speedup, ci_low=low, ci_high=high)
+    if accept_rule(speedup, low, margin):
+        return Verdict(True, None, f"verified; {text}", diagnostics, **timing, **base)
+    return Verdict(False, "slower", f"verified but not fast enough even {text}; needs >= {1 + margin:.3f}x",
+                   diagnostics, **timing, **base)

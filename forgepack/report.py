@@ -626,11 +626,18 @@ def section_results(data: ReportData, rows: list[CardSearch], figure: type | Non
             num(_us(best.eager_us if best else None)), num(_us(best.kernel_us if best else None)),
             num(_pct((r.roofline_pct(best, eager=True) or 0) / 100) if best else "-"),
             num(_pct((r.roofline_pct(r.best) or 0) / 100) if r.best else "-"),
-            badge(status, "s-" + status.replace(" ", "-")), r.pack_reason if r.pack_status == "dropped" else "",
+            badge(status, "s-" + status.replace(" ", "-")), r.pack_reason if r.pack_status == "dropped" else
+            served_note(r.best),
         ))
     parts.append(table(("card", "share %", "calls", "verdicts", "speed-up (95% CI)", "eager µs", "kernel µs",
                         "eager % roofline", "kernel % roofline", "outcome", "why"), table_rows))
     return join(parts)
+
+
+def served_note(best: CandidateRecord | None) -> str:
+    """Where a family kernel was kept for a sub-range only: which, stock serving the rest."""
+    served = accepted_mod.served_of(best.verdict) if best is not None else ()
+    return f"kept for {accepted_mod.served_text(served)}; stock serves the rest of the range" if served else ""
 
 
 def section_trees(data: ReportData, rows: list[CardSearch]) -> Html:

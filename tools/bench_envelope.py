@@ -82,6 +82,41 @@ def build(r: recipe.Recipe, root: Path) -> tuple[Path, dict[str, Any]]:
     return Path(doc["wheel"]), {"seconds": seconds, "gate": doc.get("gate"), "recipe": str(path)}
 
 
+def family_kernels(ws_root: Path) -> list[dict[str, Any]]:
+    """Each accepted family kernel as its build measured it (issue 20's sub-ranges): the speed-up at every
+    timed point of its envelope with the point's weight, the sub-range it was kept for (none: its whole
+    range), that range's share of the family's eager time, and the envelope figure over the whole range
+    beside the one its verdict carries (stock serving outside the sub-range)."""
+    from forgepack import accepted
+    from forgepack.search.store import Store
+    from forgepack.workspace import Workspace
+
+    ws = Workspace(ws_root)
+    out = []
+    with Store(ws.store_path) as store:
+        for k in accepted.load_all(ws_root):
+            if "-F" not in k.card_id or k.candidate_id is None:
+                continue
+            fam = ((store.candidate(k.candidate_id).verdict or {}).get("diagnostics") or {}).get("family") or {}
+            whole = fam.get("whole") or {}
+            out.append({"card": k.card_id, "served": accepted.served_text(k.served), "share": fam.get("served_share"),
+                        "speedup": k.speedup, "whole_speedup": whole.get("speedup", k.speedup),
+                        "points": [{"values": p["values"], "weight": p["weight"], "speedup": p["speedup"],
+                                    "ci_low": p["ci_low"]} for p in fam.get("points", ())]})
+    return out
+
+
+def families_md(kernels: list[dict[str, Any]]) -> str:
+    rows = [[k["card"], k["served"] or "whole range", "" if k["share"] is None else f"{k['share']:.0%}",
+             f"{k['whole_speedup']:.3f}x", f"{k['speedup']:.3f}x",
+             ", ".join(f"{'/'.join(str(v) for v in p['values'].values())}: {p['speedup']:.2f}x" for p in k["points"])]
+            for k in kernels]
+    return ("Family kernels as the build timed them (a kernel losing on part of its envelope is kept for the "
+            "sub-range where it wins; stock serves the rest):\n\n"
+            + tabulate(rows, headers=["family", "kept for", "share inside", "whole range", "as kept", "per point"],
+                       tablefmt="github") + "\n\n")
+
+
 def import_pack(wheel: Path, root: Path):
     """The wheel unpacked into a fresh site directory and imported (nothing is compiled at install)."""
     import importlib
@@ -103,11 +138,12 @@ def served(before: dict[str, dict], after: dict[str, dict]) -> dict[str, dict[st
     for k, v in after.items():
         if v.get("op") not in ops:
             continue
-        d = {f: v[f] - before.get(k, {}).get(f, 0) for f in ("hits", "misses", "errors")}
-        row = out.setdefault(v["op"], {"calls": 0, "hits": 0, "errors": 0})
+        d = {f: v.get(f, 0) - before.get(k, {}).get(f, 0) for f in ("hits", "misses", "errors", "outside")}
+        row = out.setdefault(v["op"], {"calls": 0, "hits": 0, "errors": 0, "outside": 0})
         row["calls"] = d["hits"] + d["misses"]
         row["hits"] += d["hits"]
         row["errors"] += d["errors"]
+        row["outside"] += d["outside"]  # sent to stock by a kernel's sub-range (it does not pay there)
     return out
 
 
@@ -147,9 +183,9 @@ def total(rows: list[dict]) -> dict[str, dict[str, int]]:
     out: dict[str, dict[str, int]] = {}
     for row in rows:
         for op, d in row["ops"].items():
-            t = out.setdefault(op, {"calls": 0, "hits": 0, "errors": 0})
+            t = out.setdefault(op, {"calls": 0, "hits": 0, "errors": 0, "outside": 0})
             for f in t:
-                t[f] += d[f]
+                t[f] += d.get(f, 0)
     return out
 
 
@@ -166,9 +202,11 @@ def markdown(info: dict, r: recipe.Recipe, built: dict, rows: list[dict], ops: d
            f"- served: **{share(ops):.1%}** of {sum(d['calls'] for d in ops.values())} calls of the ops the pack "
            f"has families for (target {TARGET:.0%}); kernel errors {sum(d['errors'] for d in ops.values())}; "
            f"tokens as stock in {sum(r_['same'] for r_ in rows)} of {len(rows)} requests\n\n")
-    md += tabulate([[op, d["calls"], d["hits"], f"{d['hits'] / d['calls']:.1%}" if d["calls"] else "-", d["errors"]]
-                    for op, d in sorted(ops.items(), key=lambda kv: -kv[1]["calls"])],
-                   headers=["op", "calls", "served", "share", "errors"], tablefmt="github") + "\n\n"
+    md += families_md(built["families"]) if built.get("families") else ""
+    md += tabulate([[op, d["calls"], d["hits"], f"{d['hits'] / d['calls']:.1%}" if d["calls"] else "-", d["errors"],
+                     d.get("outside", 0)] for op, d in sorted(ops.items(), key=lambda kv: -kv[1]["calls"])],
+                   headers=["op", "calls", "served", "share", "errors", "stock by sub-range"],
+                   tablefmt="github") + "\n\n"
     md += tabulate([[x["id"], x["batch"], x["prompt"], x["new"], f"{share(x['ops']):.1%}",
                      "yes" if x["same"] else f"no (step {x['first_difference']})", f"{x['stock_s']:.2f}",
                      f"{x['pack_s']:.2f}"] for x in rows],
@@ -210,12 +248,16 @@ def main(argv: list[str] | None = None) -> int:
             wheel, built = Path(args.pack), {"seconds": 0.0, "gate": "given"}
         else:
             wheel, built = build(r, root)
+            built["families"] = family_kernels(root / "ws")
         built["wheel"] = wheel.name
         if args.build_only:
             kept = Path(os.environ.get("OUT", "benchmarks/out")) / "packs"
             kept.mkdir(parents=True, exist_ok=True)
             shutil.copy2(wheel, kept / wheel.name)
             print(json.dumps({**built, "kept": str(kept / wheel.name)}))
+            benchlib.write(f"bench_envelope-{recipe.slugify(r.name)}-families", {**info, **built},
+                           benchlib.header_md(f"Envelope pack's family kernels: {r.name}", info)
+                           + families_md(built["families"]))
             return 0
         pack = import_pack(wheel, root)
         with models.quiet_transformers():

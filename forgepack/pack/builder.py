@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from forgepack import __version__, models, packreport
+from forgepack import __version__, families, models, packreport
 from forgepack import accepted as accepted_mod
 from forgepack import recipe as recipe_mod
 from forgepack.accepted import AcceptedKernel
@@ -107,14 +107,26 @@ def select(ws: Workspace, recipe: Recipe, margin: float) -> tuple[list[_Chosen],
     arch = max(set(archs), key=archs.count) if archs else None
     for k in best.values():
         card = _load_card(ws, k.card_id)
+        card, narrowed = _served(card, k)
         op, sig = (card.op, card.signature()) if card else ("?", "?")
-        reason = _select_reason(ws, k, card, target, arch, margin, includes)
+        reason = narrowed or _select_reason(ws, k, card, target, arch, margin, includes)
         if reason:
             decisions.append(Decision(k.card_id, op, sig, False, "select", reason, k.speedup))
         else:
             chosen.append(_Chosen(k, card))
     chosen.sort(key=lambda c: (-c.card.calls, c.card.id))
     return chosen, decisions
+
+
+def _served(card: Card | None, k: AcceptedKernel) -> tuple[Card | None, str | None]:
+    """The card as its kernel serves it: a family narrowed to the sub-range the kernel pays in (its guard
+    then admits only that; the id stays the family's). A sub-range outside what was verified is refused."""
+    if card is None or not k.served:
+        return card, None
+    try:
+        return families.narrow(card, k.served), None
+    except ValueError as err:
+        return card, f"its sub-range is not servable: {err}"
 
 
 def _load_card(ws: Workspace, card_id: str) -> Card | None:
@@ -190,7 +202,16 @@ def _variant(c: _Chosen) -> PackVariant:
         outputs=card.outputs, kernel=f"kernels/{card.id}.so", source=f"sources/{card.id}{suffix}",
         tolerance=_tolerance(card), speedup=k.speedup, ci_low=k.ci_low, ci_high=k.ci_high, eager_us=k.eager_us,
         kernel_us=k.kernel_us, proposer=k.proposer, calls=card.calls, modules=card.modules, needs=k.needs,
+        served=served_text(card),
     )
+
+
+def served_text(card: Card) -> str:
+    """`d1 in 256..2048 of 8..2048` for a family kernel kept for a sub-range, else ""."""
+    fam = card.family
+    if fam is None or not fam.served:
+        return ""
+    return ", ".join(f"{n} in {lo}..{hi} of {fam.dim(n).min}..{fam.dim(n).max}" for n, lo, hi in fam.served)
 
 
 def stage(ws: Workspace, recipe: Recipe, chosen: list[_Chosen], root: Path, version: str, gate: str) -> Manifest:

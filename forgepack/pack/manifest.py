@@ -51,6 +51,7 @@ class PackVariant:
     modules: tuple[str, ...] = ()
     e2e_ratio: float | None = None  # gate: model time without this kernel / with it (> 1: it pays)
     needs: Needs | None = None  # what the kernel needs of its inputs, as its guard checks (None: the default)
+    served: str = ""  # a family kernel kept for a sub-range: that range, as its guard checks ("": all verified)
 
 
 @dataclass(frozen=True)
@@ -180,6 +181,8 @@ def to_dict(m: Manifest) -> dict[str, Any]:
         d["args"] = [_arg_dict(a) for a in v.args]
         d["outputs"] = [_meta_dict(o) for o in v.outputs]
         d["needs"] = None if v.needs is None else needs_mod.to_json(v.needs)
+        if not v.served:
+            del d["served"]  # served over every size verified: the manifests before sub-ranges
         variants.append(_drop_none(d))
     return _drop_none({
         "format": FORMAT,

@@ -374,9 +374,12 @@ def _variant_block(v: int, sv: ShimVariant, fs, struct_r: str) -> tuple[list[str
     in_layouts = list(fam.inputs) if fam is not None else []
     consts: list[str] = [f"// variant {v}: {card.id}  {card.signature()}"]
     if fam is not None:
-        consts.append(f"// family: {', '.join(d.text() for d in fam.dims)}")
-        ranges = ", ".join(f"{{{d.min}, {d.max}}}" for d in fam.dims)
+        consts.append(f"// family: {card.family_text()}")
+        ranges = ", ".join("{{{}, {}}}".format(*fam.served_range(d.name)) for d in fam.dims)
         consts.append(f"constexpr fpg::DimRange v{v}_ranges[] = {{{ranges}}};")
+        if fam.served:  # the whole verified range too: a call inside it but outside the served one is counted
+            verified = ", ".join(f"{{{d.min}, {d.max}}}" for d in fam.dims)
+            consts.append(f"constexpr fpg::DimRange v{v}_verified[] = {{{verified}}};")
     checks: list[str] = [f"variants[{v}].enabled.load(std::memory_order_relaxed)"]
     tensor_checks: list[str] = []
     stride_checks: list[str] = []
@@ -470,7 +473,23 @@ def _variant_block(v: int, sv: ShimVariant, fs, struct_r: str) -> tuple[list[str
         "    }",
         "  }",
     ]
+    if fam is not None and fam.served:
+        body[-1:] = _outside_count(v, joined, len(fam.dims))
     return consts, body
+
+
+def _outside_count(v: int, joined: str, n_dims: int) -> list[str]:
+    """For a variant served over a sub-range only: on a miss, the same guard over the whole verified
+    range, counting the calls it would have taken there (`outside` in stats(): stock serves them because
+    the kernel does not pay there). Only a miss of such a variant pays for the second check."""
+    dv, again = f"dv{v}", f"dv{v}w"
+    whole = re.sub(rf"\b{dv}\b", again, joined.replace(f"v{v}_ranges", f"v{v}_verified"))
+    return [
+        f"  }} else {{  // variant {v}'s guard missed: outside its sub-range, or no member at all?",
+        f"    int64_t {again}[{n_dims}] = {{{', '.join(['-1'] * n_dims)}}};",
+        f"    if ({whole}) fpg::count(variants[{v}].outside);",
+        "  }",
+    ]
 
 
 def generate(variants: list[ShimVariant], namespace: str, target: str, title: str = "") -> str:

@@ -347,19 +347,25 @@ def active(strict: bool = False):
 
 def stats() -> dict[str, dict[str, Any]]:
     """Per variant: its op, `hits` (calls its kernel served), `misses` (calls of its op it did not
-    serve), `errors` (calls its kernel refused, served by stock). Counters live as long as the process."""
+    serve), `errors` (calls its kernel refused, served by stock). A variant kept for a sub-range of its
+    family also has `served` (that sub-range) and `outside` (misses inside its verified range but outside
+    the sub-range: stock served them because the kernel does not pay there). Counters live as long as
+    the process."""
     info = _readable_manifest()
     variants = info.variants if info is not None else ()
     ops = list(dict.fromkeys(v.op for v in variants))
     n = len(variants)
     # Before a load, or when the loaded shim is not the manifest's (refused), nothing has served a call.
     counted = _STATE["loaded"] and not _STATE["mismatch"]
-    raw = list(_ops().stats()) if counted else [0] * (2 * n + len(ops))
-    calls = dict(zip(ops, raw[2 * n:], strict=True))
+    raw = list(_ops().stats()) if counted else [0] * (3 * n + len(ops))
+    calls = dict(zip(ops, raw[3 * n:], strict=True))
     out = {}
     for k, v in enumerate(variants):
         hits, errors = raw[k], raw[n + k]
         out[v.id] = {"op": v.op, "hits": hits, "misses": calls[v.op] - hits, "errors": errors}
+        if v.served:  # a kernel kept for a sub-range: the misses stock served because it does not pay there
+            out[v.id]["outside"] = raw[2 * n + k]
+            out[v.id]["served"] = v.served
     if _STATE["fused"]:  # only once read: a refused activate() may have refused an unreadable pack
         out.update(_STATE["fused"].stats())
     return out

@@ -93,12 +93,13 @@ class VariantInfo:
     signature: str
     args: tuple[ArgRecord, ...]
     tolerance: tuple[OutputTolerance, ...]
+    served: str = ""  # a family kernel kept for a sub-range of what it was verified for: that sub-range
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> VariantInfo:
         return cls(d["id"], d["op"], d.get("signature", ""), tuple(ArgRecord.from_dict(a) for a in d["args"]),
                    tuple(OutputTolerance(t.get("dtype", ""), t.get("rtol", 0.0), t.get("atol", 0.0))
-                         for t in d.get("tolerance", ())))
+                         for t in d.get("tolerance", ())), d.get("served", ""))
 
 
 @dataclass(frozen=True)

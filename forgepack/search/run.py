@@ -461,6 +461,7 @@ class Search:
                     kind=card.kind,
                     needs=needs_of(card, self.settings.target, rec.params) if card.kind == "op" else None,
                     binary_sha256=(rec.verdict or {}).get("diagnostics", {}).get("binary_sha256", ""),
+                    served=accepted_mod.served_of(rec.verdict),
                 )
             )
         return sorted(out, key=lambda k: -self.cards[k.card_id].profile.share)

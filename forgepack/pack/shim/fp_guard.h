@@ -400,6 +400,7 @@ struct VariantSlot {
   std::atomic<bool> enabled{true};
   std::atomic<int64_t> hits{0};
   std::atomic<int64_t> errors{0};
+  std::atomic<int64_t> outside{0};  // misses inside the verified range but outside the served sub-range
 };
 
 inline void count(std::atomic<int64_t>& c) { c.fetch_add(1, std::memory_order_relaxed); }
@@ -472,12 +473,13 @@ struct Control {
     return library != nullptr;
   }
 
-  // [hits per variant..., errors per variant..., calls per op...]
+  // [hits per variant..., errors per variant..., outside per variant..., calls per op...]
   std::vector<int64_t> stats() const {
     std::vector<int64_t> out;
-    out.reserve(2 * n_variants + n_ops);
+    out.reserve(3 * n_variants + n_ops);
     for (size_t v = 0; v < n_variants; ++v) out.push_back(variants[v].hits.load());
     for (size_t v = 0; v < n_variants; ++v) out.push_back(variants[v].errors.load());
+    for (size_t v = 0; v < n_variants; ++v) out.push_back(variants[v].outside.load());
     for (size_t k = 0; k < n_ops; ++k) out.push_back(ops[k].calls.load());
     return out;
   }
