@@ -113,7 +113,7 @@ def check_supported(card: Card, target: str, include_dirs: list[Path] | None = N
     for m in [*metas, *card.outputs]:
         _check_meta(m, device)
     if any(o.numel == 0 for o in card.outputs):
-        raise Unsupported("an empty output (nothing to compute)")
+        raise Unsupported("an empty tensor as output (nothing to compute)")
     for schema_arg, arg in zip(args, card.args, strict=True):
         _arg_guard(schema_arg.type, arg, "x")  # raises Unsupported for anything it cannot check
     if card.family is not None:
