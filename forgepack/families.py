@@ -13,7 +13,8 @@ non-tensor values at different sizes. `fold` turns such a group into one family 
   non-negative stride: a slice of a buffer whose row length is no size of the tensor, which a kernel
   reading strides at run time serves); an output's must have one, else the group is left unfolded;
 - a dim's range is what the points span (capture visits the envelope's corners, so the span is the
-  envelope's);
+  envelope's); it may include 0 (a cache's first write): an empty tensor's strides are explained by
+  the points where it has elements, and neither they nor its pointer are checked where it is empty;
 - a size only an output has is a derived dim, the sum of input dims plus a constant (a cat's length:
   the decode cache's past + 1), computed once the inputs bind its base dims.
 
@@ -125,10 +126,14 @@ def explain(members: list[Card]) -> Family | None:
             layouts.append(None)
             continue
         shape = tuple(names.get(values[(t, a)], meta.shape[a]) for a in range(len(meta.shape)))
+        # an empty tensor's strides address nothing (PyTorch's vary): the points where it has elements say
+        full = [i for i, ms in enumerate(metas) if ms[t].numel] or [0]
+        seen = [metas[i] for i in full]
+        dims_seen = {name: tuple(vec[i] for i in full) for name, vec in dim_values.items()}
         strides = []
         for a in range(len(meta.shape)):
-            rule = _stride_rule([ms[t].stride[a] for ms in metas], [ms[t].shape[a] for ms in metas], dim_values)
-            if rule is None and t < n_in and all(ms[t].stride[a] >= 0 for ms in metas):
+            rule = _stride_rule([ms[t].stride[a] for ms in seen], [ms[t].shape[a] for ms in seen], dims_seen)
+            if rule is None and t < n_in and all(ms[t].stride[a] >= 0 for ms in seen):
                 rule = FREE_STRIDE  # an input's stride no dims explain: bound by no rule (the kernel reads it)
             if rule is None:
                 return None
@@ -331,7 +336,7 @@ def bind(card: Card, metas: list[TensorMeta | None]) -> dict[str, int] | None:
     if any(not _inside(family.served_range(d.name), values[d.name]) for d in family.dims):
         return None
     for layout, meta in zip(family.inputs, metas, strict=True):
-        if layout is None:
+        if layout is None or meta.numel == 0:  # an empty tensor: no stride is read (nor its pointer)
             continue
         for (c, ds), n, s in zip(layout.stride, meta.shape, meta.stride, strict=True):
             if (c, ds) == FREE_STRIDE:

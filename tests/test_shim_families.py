@@ -25,7 +25,7 @@ import torch
 from pack_kernels import MUL
 
 from forgepack import cards, families, needs
-from forgepack.capture import card_from_call
+from forgepack.capture import capture, card_from_call
 from forgepack.compile import compile_kernel
 from forgepack.needs import Align, Needs
 from forgepack.pack import shimgen
@@ -335,3 +335,90 @@ def test_a_cpu_device_argument_is_guarded(tmp_path):
     assert shimgen.unsupported_reason(card, "cpu") is None
     rows = _serve_generic(tmp_path, card, "elementwise.copy", TO_COPY_CASES, value_misses=("no device (3, 256)",))
     assert rows["device cpu (3, 256)"]["hit"] == 1 and rows["no device (3, 256)"]["hit"] == 0
+
+
+GENERATE_PROMPTS = ((1, 8), (2, 13), (3, 5))
+
+
+def first_write_cat_card():
+    """The first cache write of a DynamicCache, as tiny Llama's real `generate()` makes it (transformers
+    5.x: `cat([torch.tensor([]), key_states], -2)`, the keys a transposed view), folded over three prompts."""
+    from test_families import _tiny_llama
+
+    from forgepack import models
+
+    model = _tiny_llama()
+    prompts = [torch.randint(0, 128, p, generator=torch.Generator().manual_seed(sum(p))) for p in GENERATE_PROMPTS]
+    with models.quiet_transformers():
+        cap = capture(model, lambda: [models.generate(model, ids, 2) for ids in prompts], keep_samples=False)
+    first = [c for c in families.fold(cap.cards)
+             if c.op == "aten.cat.default" and arg_tensors(c)[0].shape == (0,)]
+    assert len(first) == 1 and first[0].family is not None, [c.signature() for c in first]
+    return first[0]
+
+
+def arg_tensors(card):
+    return next(a.tensors for a in card.args if a.kind == "tensors")
+
+
+FIRST_WRITE_CASES = """
+def keys(b, s):  # [b, s, heads, head_dim] projected, viewed as [b, heads, s, head_dim] (DynamicLayer's input)
+    return torch.randn(b, s, 2, 16).transpose(1, 2)
+cases = {
+    "captured (2, 13)": [torch.tensor([]), keys(2, 13)],
+    "unseen prompt (3, 11)": [torch.tensor([]), keys(3, 11)],
+    "empty slice (1, 7)": [torch.randn(9)[3:3], keys(1, 7)],
+    "prompt above the range (2, 14)": [torch.tensor([]), keys(2, 14)],
+    "batch above the range (4, 8)": [torch.tensor([]), keys(4, 8)],
+    "contiguous keys (2, 8)": [torch.tensor([]), torch.randn(2, 2, 8, 16)],
+    "a non-empty first input (2, 8)": [torch.randn(2, 2, 1, 16), keys(2, 8)],
+}
+call = lambda parts: torch.ops.aten.cat.default(parts, -2)
+tensors = lambda parts: parts
+"""
+
+
+def test_the_first_cache_write_of_generate_is_served(tmp_path):
+    """generate()'s first write to each layer's DynamicCache concatenates the new keys onto an empty 1-D
+    tensor. The shim refused every card with an empty tensor; now an empty input is admitted (its data
+    pointer is NULL, PyTorch's for every empty tensor, a slice's too), and the size-generic cat copies
+    only the keys. Every hit is what `families.bind` says and its result is stock's, bit for bit."""
+    card = first_write_cat_card()
+    assert card.family.inputs[0].shape == (0,) and {d.max for d in card.family.dims} == {3, 13}
+    assert shimgen.unsupported_reason(card, "cpu") is None
+    rows = _serve_generic(tmp_path, card, "elementwise.cat", FIRST_WRITE_CASES)
+    assert [name for name, row in rows.items() if row["hit"]] == [
+        "captured (2, 13)", "unseen prompt (3, 11)", "empty slice (1, 7)"]
+
+
+def test_an_output_that_may_be_empty_is_refused():
+    """A family whose output holds a dim ranging down to 0 would have the guard call a kernel with nothing
+    to compute (and allocate strides stock does not give an empty tensor): left to stock."""
+    calls = [card_from_call(torch.ops.aten.neg.default, (torch.randn(n, 4),), {})[0] for n in (3, 0, 5)]
+    (card,) = families.fold(calls)
+    assert card.family.dims[0].min == 0
+    assert "may be empty" in shimgen.unsupported_reason(card, "cpu")
+
+
+CHUNK_CASES = """
+cases = {name: [past, torch.randn(b, 2, 4, 16)] for name, (b, past) in {
+    "captured (2, 5)": (2, torch.randn(2, 2, 5, 16)),
+    "empty past (3, 0)": (3, torch.randn(3, 2, 0, 16)),
+    "empty slice past (2, 0)": (2, torch.randn(2, 2, 9, 16)[:, :, 4:4]),
+    "unseen past (1, 11)": (1, torch.randn(1, 2, 11, 16)),
+    "sliced past (2, 3)": (2, torch.randn(2, 2, 9, 16)[:, :, :3]),
+    "past above the range (2, 13)": (2, torch.randn(2, 2, 13, 16))}.items()}
+call = lambda parts: torch.ops.aten.cat.default(parts, -2)
+tensors = lambda parts: parts
+"""
+
+
+def test_a_past_that_may_be_empty_is_served_whatever_its_strides(tmp_path):
+    """A chunked cache's cat whose past length ranges down to 0: its strides are rules of the dims where
+    it has elements, and where it is empty the guard checks none of them (PyTorch's strides of an empty
+    tensor are c * max(size, 1) products, an empty slice keeps its parent's), as `families.bind` does."""
+    from test_cache_first_write import chunked_cache_card
+
+    rows = _serve_generic(tmp_path, chunked_cache_card(), "elementwise.cat", CHUNK_CASES)
+    assert [name for name, row in rows.items() if row["hit"]] == [
+        "captured (2, 5)", "empty past (3, 0)", "empty slice past (2, 0)", "unseen past (1, 11)"]

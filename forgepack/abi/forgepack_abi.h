@@ -21,6 +21,9 @@
  * them (c * product of sizes) arrive in the descriptors, and the outputs are allocated at those sizes.
  * Data pointers are guaranteed only as aligned as the kernel states it needs (forgepack/needs.py;
  * a kernel that states nothing gets each input at the offset modulo 16 bytes it was verified at).
+ * An empty tensor (a size 0: the first write of a growing cache, `cat([torch.tensor([]), x])`) has
+ * data == NULL (PyTorch's data pointer of every empty tensor, as the verifier and the guard pass it):
+ * a kernel must not dereference it; its strides are whatever PyTorch gave it.
  *
  * Inputs: the operator's tensor arguments in schema order, Tensor[] arguments flattened; an optional
  * tensor passed as None is a descriptor with data == NULL and dtype == FP_NONE.

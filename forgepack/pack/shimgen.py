@@ -112,6 +112,8 @@ def check_supported(card: Card, target: str, include_dirs: list[Path] | None = N
         raise Unsupported("no tensor input (factory op): nothing to guard the device on")
     for m in [*metas, *card.outputs]:
         _check_meta(m, device)
+    if any(o.numel == 0 for o in card.outputs):
+        raise Unsupported("an empty tensor as output (nothing to compute)")
     for schema_arg, arg in zip(args, card.args, strict=True):
         _arg_guard(schema_arg.type, arg, "x")  # raises Unsupported for anything it cannot check
     if card.family is not None:
@@ -128,8 +130,6 @@ def _check_meta(m: TensorMeta, device: str) -> None:
         raise Unsupported(f"dtype {m.dtype} is not in the kernel ABI")
     if len(m.shape) > MAX_DIMS:
         raise Unsupported(f"{len(m.shape)} dims (the kernel ABI has {MAX_DIMS})")
-    if m.numel == 0:
-        raise Unsupported("an empty tensor (nothing to compute)")
     if m.device != device:
         raise Unsupported(f"a tensor on {m.device}, the pack targets {device}")
 
@@ -159,6 +159,9 @@ def _check_family(card: Card) -> None:
     free = {d.name for d in fam.dims if not d.derived}
     if free - bound:
         raise Unsupported(f"dims {sorted(free - bound)} are no input's size: the guard cannot bind them")
+    held = {x for lay in fam.outputs if lay is not None for x in lay.shape if isinstance(x, str)}
+    if any(d.min == 0 and d.name in held for d in fam.dims):
+        raise Unsupported("an output may be empty (a dim's range includes 0): nothing to compute")
     for d in fam.dims:
         if d.derived and (set(d.base) - bound or d.name in bound):
             raise Unsupported(f"derived dim {d.name} must be held by no input and sum dims the inputs bind")

@@ -112,7 +112,8 @@ inline bool match(const std::optional<at::Tensor>& t, const TensorSpec& s, c10::
 // this code's Python twin). Each dim is bound from its first occurrence among the inputs' axes and
 // must lie in its range there, and equal it at every other occurrence; fixed sizes must be equal;
 // then every stride must be c * product of dims (a size-1 axis's stride is never read, so never
-// checked). `dv` holds the bound values, -1 while unbound.
+// checked, nor any of an empty tensor's, whose strides PyTorch sets freely and whose data pointer is
+// NULL, aligned to anything). `dv` holds the bound values, -1 while unbound.
 
 struct DimRange {
   int64_t min;
@@ -175,6 +176,7 @@ inline bool bind(const at::Tensor& t, const FamilySpec& s, c10::DeviceType devic
 // After every input is bound: each stride as its rule says.
 inline bool strides_ok(const at::Tensor& t, const FamilySpec& s, const int64_t* dv) {
   const c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+  if (impl->numel() == 0) return true;  // no element to address: any strides (PyTorch's vary)
   c10::IntArrayRef sizes = impl->sizes(), strides = impl->strides();
   for (int32_t a = 0; a < s.ndim; ++a) {
     if (s.strides[a].c < 0) {
