@@ -264,6 +264,7 @@ def store_states(ws: Path) -> list[tuple[int, str, float | None]]:
         db.close()
 
 
+@pytest.mark.long  # 50-80 s: CI's 30 minutes; the local executor's resume (test_build) stays in the default run
 def test_a_killed_ray_driver_resumes_from_the_store(profiled, tmp_path):
     ws = tmp_path / "ws"
     shutil.copytree(profiled, ws)
