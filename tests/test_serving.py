@@ -38,6 +38,13 @@ def pair(tiny_llama_dir):
     serving.stop(model)
 
 
+def cache_size(model, rows: int, length: int) -> int:
+    """The bytes forgepack's KV cache of this bucket holds (what max_bytes counts for it)."""
+    from transformers import StaticCache
+
+    return serving.expected_cache_bytes(model, StaticCache(config=model.config, max_cache_len=length), rows)
+
+
 def scale_error(expected: torch.Tensor, got: torch.Tensor) -> float:
     return compare.scale_error(expected.float(), got.float())
 
@@ -147,11 +154,12 @@ def test_padding_never_leaks_padded_against_exact_buckets(tiny_llama_dir):
 
 
 def test_graphs_over_max_bytes_run_eagerly_and_stats_say_why(pair):
-    """max_bytes bounds the memory the served graphs hold (one pool, graphs.GraphedForward's bound): a
-    graph over it is replayed for the call that captured it and dropped, and its bucket then counts its
-    calls under "over max_bytes" (not "capture failed": nothing failed). Results stay eager's."""
+    """max_bytes bounds the memory the server holds (one pool, graphs.GraphedForward's bound): with room for
+    the bucket's KV cache only, a graph over it is replayed for the call that captured it and dropped, and
+    its bucket then counts its calls under "over max_bytes" (not "capture failed": nothing failed). Results
+    stay eager's."""
     model, twin = pair
-    server = serving.serve(model, max_bytes=1, **EMU, **SMALL)
+    server = serving.serve(model, max_bytes=cache_size(model, 2, 64), **EMU, **SMALL)
     ids = torch.randint(1, 256, (2, 9))
     with torch.no_grad():
         for _ in range(2):
@@ -161,7 +169,9 @@ def test_graphs_over_max_bytes_run_eagerly_and_stats_say_why(pair):
     decode = stats["buckets"]["decode b2 c64"]
     # 10 decode steps: two warm-ups, the capture (one replay, then dropped), seven eager for its size
     assert decode == {"calls": 10, "eager: warm-up": 2, "captures": 1, "replays": 1, "eager: over max_bytes": 7}
-    assert all("over max_bytes=1" in why for why in stats["graphs"]["failures"].values())
+    limit = cache_size(model, 2, 64)
+    assert all(f"over max_bytes={limit}" in why for why in stats["graphs"]["failures"].values())
+    assert stats["cache_bytes"] == limit == stats["budget"]["bytes"]
 
 
 def test_the_bytes_bound_evicts_the_least_recently_used_bucket(pair):

@@ -126,10 +126,11 @@ class _Request:
     batch: int  # rows generate sees
     rows: int  # rows the forward runs (the bucket)
     cache: Any
-    own: bool  # forgepack's cache (reset, sized by us) or the caller's
+    own: bool  # forgepack's cache (reset, sized by us, counted in max_bytes) or the caller's
     pad_prompt: bool
     cache_len: int
     calls: int = 0
+    mode: bool = False  # inference mode when planned (forgepack's caches are per mode)
 
 
 class _Bucketed:
@@ -177,7 +178,10 @@ class Server:
             raise RuntimeError("graph mode is disabled (FORGEPACK_DISABLE)")
         self.eager = graphs.eager_forward(model)
         self.cache_key = graphs.cache_kwarg(model)
-        self._caches: dict[tuple[int, int], Any] = {}
+        # One ledger for the budget: the graphed forward's graph cache also holds the KV caches this server
+        # allocates and the decode loop's graphs and buffers, all bounded together by `max_bytes`.
+        self.pool = self.graphed._cache
+        self._sizes: dict[tuple, int] = {}  # a cache's bytes as measured once its layers were allocated
         self._lock = threading.RLock()
         self._local = threading.local()
         self._requests: collections.Counter = collections.Counter()
@@ -205,8 +209,16 @@ class Server:
             self._eager_requests[why] += 1
             return self._run(None, inputs, args, kwargs)
         self._requests["served"] += 1
-        fast = self.loop.generate(plan, ids, kwargs) if self.options.decode_loop else None
-        return fast if fast is not None else self._run(plan, inputs, args, kwargs)
+        key = _cache_key(plan.rows, plan.cache_len, plan.mode) if plan.own else None
+        if key is not None:
+            self.pool.pin(key)  # in use: never evicted by this request's own graphs
+        try:
+            fast = self.loop.generate(plan, ids, kwargs) if self.options.decode_loop else None
+            return fast if fast is not None else self._run(plan, inputs, args, kwargs)
+        finally:
+            if key is not None:
+                self.pool.unpin(key)
+                self._measured(key, plan.cache)
 
     def _run(self, request: _Request | None, inputs: Any, args: tuple, kwargs: dict) -> Any:
         kwargs = dict(kwargs)
@@ -261,19 +273,41 @@ class Server:
         if length is None:
             limit = self.options.max_cache_len
             return None, f"prompt {ids.shape[1]} + {new} new tokens is over the largest cache ({limit})"
-        cache = self._cache(bucket, length)
+        cache, why = self._cache(bucket, length)
+        if cache is None:
+            return None, why
         cache.reset()  # in place: the graphs captured with this cache stay valid
-        return _Request(rows, bucket, cache, True, _plain_static(cache), length), ""
+        return _Request(rows, bucket, cache, True, _plain_static(cache), length,
+                        mode=torch.is_inference_mode_enabled()), ""
 
-    def _cache(self, rows: int, length: int) -> Any:
+    def _cache(self, rows: int, length: int) -> tuple[Any, str]:
+        """forgepack's cache for the bucket (made and counted in the pool if new), or (None, why not)."""
         # Tensors made under inference_mode cannot be written outside it (reset() would raise), so each
         # mode has caches of its own (their graphs are apart anyway: the mode is part of every key).
-        key = (rows, length, torch.is_inference_mode_enabled())
-        if key not in self._caches:
-            from transformers import StaticCache
+        key = _cache_key(rows, length, torch.is_inference_mode_enabled())
+        cache = self.pool.get(key)
+        if cache is not None:
+            return cache, ""
+        from transformers import StaticCache
 
-            self._caches[key] = StaticCache(config=self.model.config, max_cache_len=length)
-        return self._caches[key]
+        cache = StaticCache(config=self.model.config, max_cache_len=length)  # its layers allocate on first use
+        nbytes = self._sizes.get(key) or expected_cache_bytes(self.model, cache, rows)
+        if not self.pool.fits(nbytes):
+            limit = self.pool.max_bytes
+            return None, f"its KV cache (b{rows} c{length}) needs {nbytes} bytes, over max_bytes={limit}"
+        self.pool.put(key, cache, nbytes, "cache")  # least recently used caches go, with their graphs
+        return cache, ""
+
+    def _measured(self, key: tuple, cache: Any) -> None:
+        """After a request: the cache's bytes as allocated replace the estimate (evicted if now over)."""
+        nbytes = cache_bytes(cache)
+        if not nbytes or nbytes == self.pool.nbytes(key):
+            return
+        self._sizes[key] = nbytes
+        if self.pool.fits(nbytes, key):
+            self.pool.put(key, self.pool.get(key), nbytes, "cache", ())
+        else:
+            self.pool.evict(key)
 
     # -- a forward call of a served request --------------------------------------------------------------
 
@@ -346,10 +380,18 @@ class Server:
 
     def stats(self) -> dict[str, Any]:
         """Requests served and run eagerly (with why), per bucket its calls, replays, captures and eager
-        calls by reason, and the graphed forward's own counters."""
+        calls by reason, the caches held (rows, length, inference mode) and their bytes and evictions, the
+        memory budget (`max_bytes` against everything the pool holds, by kind), and the graphed forward's
+        and the decode loop's own counters."""
+        pool = self.pool
         return {"served_requests": self._requests["served"], "eager_requests": dict(self._eager_requests),
                 "buckets": {k: dict(v) for k, v in sorted(self._buckets.items())},
-                "caches": sorted(self._caches), "graphs": self.graphed.stats(), "decode_loop": self.loop.stats()}
+                "caches": sorted(k[1:] for k in pool.keys("cache")), "cache_bytes": pool.bytes_of("cache"),
+                "cache_evictions": pool.evictions["cache"],
+                "budget": {"max_bytes": pool.max_bytes, "bytes": pool.total_bytes,
+                           "by_kind": {kind: pool.bytes_of(kind) for kind in graphs.KINDS},
+                           "evictions": {kind: pool.evictions[kind] for kind in graphs.KINDS}},
+                "graphs": self.graphed.stats(), "decode_loop": self.loop.stats()}
 
     def close(self) -> None:
         """Give `generate` back, free the caches and graphs (graph mode itself is disabled by the caller)."""
@@ -358,7 +400,7 @@ class Server:
             vars(self.model)["generate"] = previous
         else:
             vars(self.model).pop("generate", None)
-        self._caches.clear()
+        self.pool.clear("cache")  # and every graph captured with one
         self.loop.clear()
         _SERVERS.pop(self.model, None)
 
@@ -496,6 +538,33 @@ def _plain_static(cache: Any) -> bool:
 
 def _max_len(cache: Any) -> int:
     return int(min(layer.max_cache_len for layer in cache.layers))
+
+
+def _cache_key(rows: int, length: int, inference: bool) -> tuple:
+    return ("kv cache", rows, length, inference)
+
+
+def cache_bytes(cache: Any) -> int:
+    """The bytes a `StaticCache`'s layers hold now (0 before its first prefill allocates them)."""
+    layers = getattr(cache, "layers", ())
+    if not layers or not all(isinstance(getattr(layer, "keys", None), torch.Tensor) for layer in layers):
+        return 0
+    tensors = [t for layer in layers for t in vars(layer).values() if isinstance(t, torch.Tensor)]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def expected_cache_bytes(model: Any, cache: Any, rows: int) -> int:
+    """The bytes `cache` will hold once its first prefill allocates its layers (keys and values of each
+    layer's length, at the model's dtype; a sliding layer is shorter), before it is allocated."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    heads = int(getattr(config, "num_attention_heads", 1) or 1)
+    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    size = torch.empty((), dtype=dtype).element_size()
+    per_slot = 2 * rows * kv_heads * head_dim * size  # keys and values
+    lengths = sum(int(layer.max_cache_len) for layer in cache.layers)
+    return per_slot * lengths + 8 * len(cache.layers)  # + each layer's int64 length
 
 
 def _rewind(cache: Any, steps: int) -> None:
