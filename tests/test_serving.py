@@ -192,6 +192,90 @@ def test_the_bytes_bound_evicts_the_least_recently_used_bucket(pair):
     assert stats["evictions"] >= 1 and stats["graph_bytes"] <= one * 1.2
 
 
+def held(server) -> dict:
+    """What forgepack holds, counted apart from the ledger: the StaticCaches alive in the process (the
+    eager twin makes none) with their allocated bytes, and the graphs of the graphed forward and the loop."""
+    import gc
+
+    from transformers import StaticCache
+
+    gc.collect()
+    caches = [o for o in gc.get_objects() if isinstance(o, StaticCache)]  # counted, not kept: no reference left
+    graph_bytes = sum(entry.nbytes for entry in server.pool.entries("graph"))
+    return {"caches": len(caches), "cache_bytes": sum(serving.cache_bytes(c) for c in caches),
+            "graph_bytes": graph_bytes, "loop_bytes": sum(loop.state.nbytes() + (loop.graph.nbytes if loop.graph else 0)
+                              for loop in server.pool.entries("loop"))}
+
+
+def newly_made(server) -> int:
+    """How many of the caches the server holds were not held at the last look (a function: no reference
+    to a cache stays in the test's frame, or the count of caches alive would see it)."""
+    new = [c for c in server.pool.entries("cache") if not hasattr(c, "_seen_by_test")]
+    for cache in new:
+        cache._seen_by_test = True
+    return len(new)
+
+
+@pytest.mark.parametrize("decode_loop", [False, True])
+def test_a_trace_over_buckets_stays_under_max_bytes_evicting_caches_with_their_graphs(pair, decode_loop):
+    """max_bytes covers forgepack's KV caches with its graphs: a bound that holds the largest bucket's cache and
+    graphs but no second cache beside them. A trace alternating batch buckets 1, 2 and 4 evicts the least
+    recently used cache with the graphs captured on it and re-creates it when its bucket comes back; after every
+    request the caches alive in the process and the graphs held (counted apart from the ledger) stay under the
+    bound, and every request's tokens are eager's and its logits eager's within fp32 noise."""
+    model, twin = pair
+    options = {**EMU, **SMALL, "decode_loop": decode_loop}
+    ids = {rows: torch.randint(1, 256, (rows, 9)) for rows in (1, 2, 3)}
+    probe = serving.serve(model, **options)
+    with torch.no_grad():
+        for _ in range(4):
+            generate(model, ids[3])
+    footprint = probe.stats()["budget"]["bytes"]  # the b4 bucket's cache, graphs and loop, all captured
+    serving.stop(model)
+    limit = footprint + 1000  # no room for even the b1 cache beside it
+    assert cache_size(model, 1, 64) > 1000
+    server = serving.serve(model, max_bytes=limit, **options)
+    made = 0  # caches forgepack made: more than the three buckets when evicted ones were made again
+    with torch.no_grad():
+        for rows in (3, 3, 3, 1, 1, 2, 3, 3, 1, 2, 2, 3):
+            out, ref = generate(model, ids[rows]), generate(twin, ids[rows])
+            assert torch.equal(out.sequences, ref.sequences)
+            assert scale_error(torch.stack(ref.logits), torch.stack(out.logits)) < 1e-5
+            now = held(server)
+            stats = server.stats()
+            assert now["cache_bytes"] == stats["cache_bytes"] and now["caches"] == len(stats["caches"])
+            assert now["graph_bytes"] == stats["graphs"]["graph_bytes"]
+            assert now["loop_bytes"] == stats["decode_loop"]["bytes"]
+            total = now["cache_bytes"] + now["graph_bytes"] + now["loop_bytes"]
+            assert total == stats["budget"]["bytes"] <= limit, stats["budget"]
+            made += newly_made(server)
+    stats = server.stats()
+    assert stats["served_requests"] == 12 and not stats["eager_requests"]
+    evicted = stats["budget"]["evictions"]
+    assert stats["cache_evictions"] == evicted["cache"] >= 3, stats["budget"]
+    assert made == evicted["cache"] + len(stats["caches"]) > 3  # every cache made is held or was evicted
+    assert evicted["graph"] + evicted["loop"] >= evicted["cache"]  # its graphs went with each cache
+    replays = stats["decode_loop"]["buckets"] if decode_loop else stats["buckets"]
+    assert replays["decode b4 c64"]["replays"] > 0  # re-created buckets still replay after their warm-up
+
+
+def test_a_bucket_whose_cache_can_never_fit_runs_eagerly_and_says_why(pair):
+    """A bound under the b2 cache's bytes: a 2-row request runs eagerly (its tokens eager's, the reason in
+    stats(), nothing allocated for it), while a 1-row request is still served under the same bound."""
+    model, twin = pair
+    limit = cache_size(model, 2, 64) - 1
+    server = serving.serve(model, max_bytes=limit, **EMU, **SMALL)
+    with torch.no_grad():
+        for rows in (2, 1, 2):
+            ids = torch.randint(1, 256, (rows, 9))
+            assert torch.equal(generate(model, ids).sequences, generate(twin, ids).sequences)
+    stats = server.stats()
+    why = f"its KV cache (b2 c64) needs {limit + 1} bytes, over max_bytes={limit}"
+    assert stats["eager_requests"] == {why: 2} and stats["served_requests"] == 1
+    assert stats["caches"] == [(1, 64, False)] and stats["budget"]["bytes"] <= limit
+    assert not any(k.endswith("b2 c64") for k in stats["buckets"])
+
+
 # --- a full generate() -------------------------------------------------------------------------------
 
 
@@ -494,11 +578,12 @@ def test_gpu_inference_mode_capture(tiny_llama_dir):
 @pytest.mark.gpu
 def test_gpu_served_graphs_share_one_pool_bounded_by_max_bytes(tiny_llama_dir):
     """Real graphs: the server's graphs go to the device's one shared pool, and a bound they do not fit
-    under (a graph's bytes are its static inputs and the pool's growth) leaves them eager, named."""
+    under beside the KV cache (a graph's bytes are its static inputs and the pool's growth) leaves them
+    eager, named; the cache is counted, the decode loop's buffers do not fit either."""
     from forgepack.runtime import graphbackends
 
     model, twin = load(tiny_llama_dir, "cuda"), load(tiny_llama_dir, "cuda")
-    server = serving.serve(model, max_bytes=1, cache_lengths=(64,), prompt_buckets=(16,))
+    server = serving.serve(model, max_bytes=cache_size(model, 2, 64), cache_lengths=(64,), prompt_buckets=(16,))
     try:
         ids = torch.randint(1, 256, (2, 9), device="cuda")
         with torch.no_grad():
@@ -510,6 +595,8 @@ def test_gpu_served_graphs_share_one_pool_bounded_by_max_bytes(tiny_llama_dir):
         stats = server.stats()
         assert stats["graphs"]["graphs"] == 0, stats
         assert stats["buckets"]["decode b2 c64"]["eager: over max_bytes"] == 7, stats
+        assert stats["cache_bytes"] == cache_size(model, 2, 64) == stats["budget"]["bytes"], stats
+        assert any("decode buffers" in why for why in stats["decode_loop"]["fallbacks"]), stats
     finally:
         serving.stop(model)
 

@@ -97,7 +97,8 @@ class GraphedForward:
     """A forward that replays CUDA graphs per input signature and runs eagerly otherwise.
 
     `target`: an `nn.Module` (its `forward` at construction is wrapped) or any callable.
-    `max_graphs` / `max_bytes`: bounds of the graph cache (least recently used evicted first).
+    `max_graphs` / `max_bytes`: bounds of the graph cache (least recently used evicted first); a
+        `serving.Server` counts its KV caches and decode loop in the same cache, under the same bound.
     `warmup`: eager calls per signature before it is captured (at least 1: lazy initialisation).
     `pool`: a `GraphPool`, "private" (a pool of its own per device), or None: the one pool shared by
         every graph of the device.

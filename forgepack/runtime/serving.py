@@ -36,10 +36,18 @@ How a request is served (`Server.generate`):
    prefills through step 4 and replays one graph per whole decode step, greedy pick and stopping
    included (`ServeOptions.decode_loop=False` serves every request through generate as above).
 
+Memory: `max_bytes` bounds everything the server holds, in one ledger (the graphed forward's
+`graphcache.GraphCache`): its graphs, the KV caches it allocates (counted from the model's config before
+their first prefill allocates them, as measured after) and the decode loop's graphs and buffers. A new
+cache evicts the least recently used ones, each with the graphs and loop captured on it (they hold its
+addresses); the cache of a request in flight is pinned. A bucket whose cache cannot fit at all serves
+its request eagerly, and a graph that cannot fit beside its cache runs eagerly, both with the reason in
+`stats()`. A caller's own cache is the caller's memory, not counted; nor are the transient activations.
+
 Requests it does not serve run `generate` eagerly and say why in `stats()["eager_requests"]`: beam
 search, assisted generation, `inputs_embeds`, attention/hidden-state outputs, encoder-decoders, a
 caller's cache that is not a `StaticCache`, a batch over the largest bucket, a request longer than the
-largest cache.
+largest cache, a bucket whose cache is over `max_bytes`.
 """
 
 from __future__ import annotations
