@@ -514,6 +514,61 @@ def test_activate_serves_generate_and_deactivate_gives_it_back(tiny_llama_dir, m
     assert "forward" not in vars(model) and model.generation_config.disable_compile is before
 
 
+def test_class_level_activate_serves_any_model_s_generate_and_deactivate_restores_stock(tiny_llama_dir,
+                                                                                        monkeypatch):
+    """activate(graphs=True) without model=: every instance of the pack's model class has its generate()
+    served from its first call (a server of its own, with activate's options, counted in its stats;
+    tokens and logits eager's); serving.stop(model) takes one model off; deactivate() puts the class's own
+    generate back (the same function object) and no server is made again."""
+    from transformers import LlamaForCausalLM
+
+    from forgepack import runtime
+    from forgepack.runtime.packinfo import GraphVerdict
+
+    stock = LlamaForCausalLM.__dict__.get("generate")
+    inherited = LlamaForCausalLM.generate
+    manifest = types.SimpleNamespace(graphs=GraphVerdict(), model_arch="LlamaForCausalLM")
+    monkeypatch.setattr(runtime, "manifest", lambda: manifest)
+    monkeypatch.setattr(runtime, "_fused", lambda: None)
+    monkeypatch.setitem(runtime._STATE, "loaded", False)
+    model, other, twin = load(tiny_llama_dir), load(tiny_llama_dir), load(tiny_llama_dir)
+    ids = torch.randint(1, 256, (2, 9))
+    with torch.no_grad():
+        ref = generate(twin, ids)  # stock, before activation
+    try:
+        runtime._enable_graphs(None, {"backend": "emulate", "cache_lengths": (64,), "prompt_buckets": (16,),
+                                      "max_bytes": 10**7})
+        assert serving.server(model) is None  # nothing is made before the first call
+        with torch.no_grad():
+            for _ in range(4):
+                out = generate(model, ids)
+                assert torch.equal(out.sequences, ref.sequences)
+                assert scale_error(torch.stack(ref.logits), torch.stack(out.logits)) < 1e-5
+            generate(other, ids)
+        server = serving.server(model)
+        assert server is not None and serving.server(other) is not None and serving.server(twin) is None
+        assert server.options.cache_lengths == (64,) and server.pool.max_bytes == 10**7
+        stats = server.stats()
+        assert stats["served_requests"] == 4 and stats["decode_loop"]["requests"] == 4
+        assert stats["decode_loop"]["buckets"]["decode b2 c64"]["replays"] > 0
+        copied = copy.deepcopy(model)  # its copy: served through the class (a server of its own), not the original's
+        with torch.no_grad():
+            assert torch.equal(generate(copied, ids).sequences, ref.sequences)
+        assert serving.server(copied) not in (None, server)
+        assert serving.stop(other) and "generate" not in vars(other)
+        with torch.no_grad():
+            generate(other, ids)
+        assert serving.server(other) is None  # stopped: the class does not serve it again
+    finally:
+        runtime.deactivate()
+    assert LlamaForCausalLM.__dict__.get("generate") is stock and LlamaForCausalLM.generate is inherited
+    assert serving.server(model) is None and "generate" not in vars(model) and "forward" not in vars(model)
+    with torch.no_grad():
+        assert torch.equal(generate(model, ids).sequences, ref.sequences)
+        assert torch.equal(generate(copied, ids).sequences, ref.sequences)
+    assert serving.server(model) is None and serving.server(copied) is None
+
+
 def test_serving_imports_only_torch_the_standard_library_graphs_and_the_decode_loop():
     import ast
     import sys

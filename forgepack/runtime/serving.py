@@ -126,7 +126,7 @@ class ServeOptions:
         return limit if needed <= limit else None
 
 
-_SERVE_KEYS = frozenset(f for f in ServeOptions.__dataclass_fields__)
+SERVE_OPTIONS = frozenset(f for f in ServeOptions.__dataclass_fields__)  # the rest are graph options
 
 
 @dataclass
@@ -198,7 +198,9 @@ class Server:
         self.loop = decodeloop.DecodeLoop(self)
         had = "generate" in vars(model)
         self._restore = (had, vars(model).get("generate"))
-        self._original = vars(model)["generate"] if had else type(model).generate.__get__(model)
+        own = vars(model)["generate"] if had else type(model).generate.__get__(model)
+        base = getattr(getattr(own, "__func__", None), _CLASS_MARK, None)  # a served class's patch: unwrap it
+        self._original = base.__get__(model) if base is not None else own
         vars(model)["generate"] = _ServedGenerate(self)
         _SERVERS[model] = self
         if options.disable_compile:
@@ -457,12 +459,15 @@ def compile_back_all() -> int:
 
 def serve(model: Any, **options: Any) -> Server:
     """Serve `model.generate()` through bucketed graphs (idempotent: the first server stays). Options:
-    those of `ServeOptions`, and `graphs.GraphedForward`'s (`max_graphs` defaults to 128 here)."""
+    those of `ServeOptions`, and `graphs.GraphedForward`'s (`max_graphs` defaults to 128 here); a model
+    whose class is served (`serve_class`) gets the class's options under these."""
     current = _SERVERS.get(model)
     if current is not None:
         return current
-    serve_options = {k: v for k, v in options.items() if k in _SERVE_KEYS}
-    graph_options = {k: v for k, v in options.items() if k not in _SERVE_KEYS}
+    _STOPPED.discard(model)
+    options = {**_class_options(type(model)), **options}
+    serve_options = {k: v for k, v in options.items() if k in SERVE_OPTIONS}
+    graph_options = {k: v for k, v in options.items() if k not in SERVE_OPTIONS}
     return Server(model, ServeOptions(**serve_options), graph_options)
 
 
@@ -478,10 +483,13 @@ def warmup(model: Any, batch_sizes=None, prompt_lengths=(16,), max_new_tokens=(6
 
 
 def stop(model: Any) -> bool:
-    """Undo `serve(model)`: `generate` is the model's own again; graph mode is disabled on it."""
+    """Undo `serve(model)`: `generate` is the model's own again; graph mode is disabled on it (and a
+    served class does not serve it again: `serve(model)` would)."""
     current = _SERVERS.get(model)
     if current is None:
         return False
+    if _class_options(type(model)):
+        _STOPPED.add(model)
     current.close()
     graphs.disable(model)
     return True
@@ -490,6 +498,72 @@ def stop(model: Any) -> bool:
 def stop_all() -> int:
     """Undo every `serve` (the pack's `deactivate()` calls this)."""
     return sum(stop(m) for m in list(_SERVERS.keys()))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Every instance of a class: `activate(graphs=True)` without `model=`
+
+
+_CLASS_MARK = "_forgepack_served_class"
+_CLASSES: dict[type, tuple[Any, dict]] = {}  # served class -> (its own `generate`, or _MISSING; options)
+_STOPPED: weakref.WeakSet = weakref.WeakSet()  # instances `stop(model)` took off a served class
+_MISSING = object()
+
+
+def serve_class(cls: type, **options: Any) -> bool:
+    """Serve `generate()` of every instance of `cls` (and its subclasses): on an instance's first call a
+    server is installed on it (`serve(instance, **options)`), then that call and every later one are
+    served. Only a causal LM is served (`servable`); any other instance runs the class's own `generate`.
+    `stop_classes()` (the pack's `deactivate()`) puts the class's `generate` back. Returns whether the
+    class was patched now (False: already served, or it has no `generate`)."""
+    if cls in _CLASSES or not callable(getattr(cls, "generate", None)):
+        return False
+    base = _class_generate(cls)
+
+    @functools.wraps(base)
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        current = _SERVERS.get(self)
+        # cls in _CLASSES: a copy's bound patch (`_ServedGenerate.__deepcopy__`) must not serve after stop_classes()
+        if current is None and cls in _CLASSES and self not in _STOPPED and servable(self):
+            try:
+                current = serve(self)
+            except RuntimeError:  # graph mode disabled (FORGEPACK_DISABLE): the class's own generate
+                current = None
+        if current is not None:
+            return current.generate(*args, **kwargs)
+        return base(self, *args, **kwargs)
+
+    setattr(generate, _CLASS_MARK, base)
+    _CLASSES[cls] = (cls.__dict__.get("generate", _MISSING), dict(options))
+    cls.generate = generate
+    _LOG.info("forgepack graph mode serves %s.generate() for every instance (its server is installed on its "
+              "first call; transformers' automatic torch.compile is off for a served model)", cls.__name__)
+    return True
+
+
+def stop_classes() -> int:
+    """Undo every `serve_class`: each class's `generate` exactly as it was (servers already installed on
+    instances stay until `stop`/`stop_all`)."""
+    restored = list(_CLASSES.items())
+    for cls, (own, _) in restored:
+        if own is _MISSING:
+            delattr(cls, "generate")
+        else:
+            cls.generate = own
+    _CLASSES.clear()
+    _STOPPED.clear()
+    return len(restored)
+
+
+def _class_generate(cls: type) -> Any:
+    """`cls.generate` as transformers defines it (under a `serve_class` patch, the function it wraps)."""
+    method = cls.generate
+    return getattr(method, _CLASS_MARK, method)
+
+
+def _class_options(cls: type) -> dict:
+    served = next((c for c in cls.__mro__ if c in _CLASSES), None)
+    return dict(_CLASSES[served][1]) if served is not None else {}
 
 
 def servable(model: Any) -> bool:
