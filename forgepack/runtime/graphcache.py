@@ -13,7 +13,9 @@ counted against what still fits.
 from __future__ import annotations
 
 import collections
-from collections.abc import Hashable, Iterable
+import functools
+import threading
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +23,15 @@ DEFAULT_MAX_GRAPHS = 8
 _MAX_REMEMBERED = 256  # signatures whose warm-up count or failure is remembered (LRU)
 KINDS = ("graph", "loop", "cache")
 _GRAPH_KINDS = frozenset({"graph", "loop"})  # what max_graphs counts (a cache is not a graph)
+
+
+def _locked(method: Callable) -> Callable:
+    @functools.wraps(method)
+    def locked(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return locked
 
 
 @dataclass
@@ -37,7 +48,7 @@ class GraphCache:
 
     `put` inserts and evicts least recently used entries (and what needs them) until both bounds hold
     again; the entry just inserted, what it needs and pinned entries are never evicted by its insertion
-    (check `fits` first). `get` marks an entry used.
+    (check `fits` first). `get` marks an entry used. Thread-safe: a server's threads share it.
     """
 
     def __init__(self, max_graphs: int = DEFAULT_MAX_GRAPHS, max_bytes: int | None = None):
@@ -51,6 +62,7 @@ class GraphCache:
         self._pinned: collections.Counter = collections.Counter()
         self.total_bytes = 0
         self.evictions: collections.Counter = collections.Counter()  # by kind
+        self._lock = threading.RLock()
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -58,44 +70,55 @@ class GraphCache:
     def __contains__(self, key: Hashable) -> bool:
         return key in self._entries
 
+    @_locked
     def keys(self, kind: str | None = None) -> list[Hashable]:
         """Least recently used first (of one kind, or all)."""
         return [k for k, item in self._entries.items() if kind is None or item.kind == kind]
 
+    @_locked
     def entries(self, kind: str) -> list[Any]:
         return [item.entry for item in self._entries.values() if item.kind == kind]
 
+    @_locked
     def count(self, kind: str) -> int:
         return sum(item.kind == kind for item in self._entries.values())
 
+    @_locked
     def bytes_of(self, kind: str) -> int:
         return sum(item.nbytes for item in self._entries.values() if item.kind == kind)
 
+    @_locked
     def nbytes(self, key: Hashable) -> int | None:
         item = self._entries.get(key)
         return None if item is None else item.nbytes
 
+    @_locked
     def keys_holding(self, objects: Iterable[Any]) -> frozenset:
         """Keys of the entries that are one of `objects` (a graph's by-reference arguments: its cache)."""
         ids = {id(o) for o in objects}
         return frozenset(k for k, item in self._entries.items() if id(item.entry) in ids) if ids else frozenset()
 
+    @_locked
     def fits(self, nbytes: int, key: Hashable = None) -> bool:
         """Whether an entry of `nbytes` (replacing `key`'s) fits beside the pinned entries."""
         return self.max_bytes is None or nbytes + self.pinned_bytes(key) <= self.max_bytes
 
+    @_locked
     def pinned_bytes(self, key: Hashable = None) -> int:
         """Bytes of the pinned entries (but `key`'s)."""
         return sum(self._entries[k].nbytes for k in self._pinned if k in self._entries and k != key)
 
+    @_locked
     def pin(self, key: Hashable) -> None:
         self._pinned[key] += 1
 
+    @_locked
     def unpin(self, key: Hashable) -> None:
         self._pinned[key] -= 1
         if self._pinned[key] <= 0:
             del self._pinned[key]
 
+    @_locked
     def get(self, key: Hashable) -> Any | None:
         item = self._entries.get(key)
         if item is None:
@@ -103,6 +126,7 @@ class GraphCache:
         self._entries.move_to_end(key)
         return item.entry
 
+    @_locked
     def put(self, key: Hashable, entry: Any, nbytes: int, kind: str = "graph",
             needs: Iterable[Hashable] = ()) -> list[tuple[Hashable, Any]]:
         """Insert (or replace: what needs it stays) and return the evicted (key, entry) pairs, oldest first."""
@@ -123,6 +147,7 @@ class GraphCache:
             evicted += self.evict(victim)
         return evicted
 
+    @_locked
     def evict(self, key: Hashable) -> list[tuple[Hashable, Any]]:
         """Drop `key` and every entry that needs it (counted as evictions); the dropped (key, entry) pairs."""
         item = self._entries.get(key)
@@ -135,6 +160,7 @@ class GraphCache:
             dropped += self.evict(dependent)
         return dropped
 
+    @_locked
     def pop(self, key: Hashable) -> Any | None:
         item = self._entries.pop(key, None)
         if item is None:
@@ -142,6 +168,7 @@ class GraphCache:
         self.total_bytes -= item.nbytes
         return item.entry
 
+    @_locked
     def clear(self, kind: str | None = None) -> None:
         """Drop every entry (of one kind, and what needs them), not counted as evictions."""
         if kind is None:

@@ -295,29 +295,33 @@ class Server:
         # Tensors made under inference_mode cannot be written outside it (reset() would raise), so each
         # mode has caches of its own (their graphs are apart anyway: the mode is part of every key).
         key = _cache_key(rows, length, torch.is_inference_mode_enabled())
-        cache = self.pool.get(key)
-        if cache is not None:
-            return cache, ""
         from transformers import StaticCache
 
-        cache = StaticCache(config=self.model.config, max_cache_len=length)  # its layers allocate on first use
-        nbytes = self._sizes.get(key) or expected_cache_bytes(self.model, cache, rows)
-        if not self.pool.fits(nbytes):
-            limit = self.pool.max_bytes
-            return None, f"its KV cache (b{rows} c{length}) needs {nbytes} bytes, over max_bytes={limit}"
-        self.pool.put(key, cache, nbytes, "cache")  # least recently used caches go, with their graphs
-        return cache, ""
+        with self.pool._lock:
+            cache = self.pool.get(key)
+            if cache is not None:
+                return cache, ""
+            cache = StaticCache(config=self.model.config, max_cache_len=length)  # layers allocate on first use
+            nbytes = self._sizes.get(key) or expected_cache_bytes(self.model, cache, rows)
+            if not self.pool.fits(nbytes):
+                limit = self.pool.max_bytes
+                return None, f"its KV cache (b{rows} c{length}) needs {nbytes} bytes, over max_bytes={limit}"
+            self.pool.put(key, cache, nbytes, "cache")  # least recently used caches go, with their graphs
+            return cache, ""
 
     def _measured(self, key: tuple, cache: Any) -> None:
         """After a request: the cache's bytes as allocated replace the estimate (evicted if now over)."""
         nbytes = cache_bytes(cache)
-        if not nbytes or nbytes == self.pool.nbytes(key):
+        if not nbytes:
             return
         self._sizes[key] = nbytes
-        if self.pool.fits(nbytes, key):
-            self.pool.put(key, self.pool.get(key), nbytes, "cache", ())
-        else:
-            self.pool.evict(key)
+        with self.pool._lock:
+            if self.pool.get(key) is not cache or nbytes == self.pool.nbytes(key):
+                return  # dropped meanwhile (graph mode reset), or measured as estimated
+            if self.pool.fits(nbytes, key):
+                self.pool.put(key, cache, nbytes, "cache", ())
+            else:
+                self.pool.evict(key)
 
     # -- a forward call of a served request --------------------------------------------------------------
 
