@@ -206,6 +206,32 @@ def test_requests_it_must_refuse_fall_back_and_say_why(pair):
     assert loop_stats(server)["requests"] == 0 and server.stats()["served_requests"] == 5
 
 
+def test_the_loop_s_buffers_count_in_max_bytes(tiny_llama_dir):
+    """max_bytes holds the loop's buffers beside its cache: counted in the server's budget (stats()), and
+    with room for the cache alone a plain request leaves the loop, says why, and is served through generate
+    (its graphs over the bound too: eager), token-identical to stock."""
+    from transformers import StaticCache
+
+    model, twin = load(tiny_llama_dir), load(tiny_llama_dir)
+    cache = serving.expected_cache_bytes(model, StaticCache(config=model.config, max_cache_len=64), 1)
+    buffers = decodeloop.state_bytes(1, 256, 64)
+    ids = torch.randint(1, 256, (1, 9))
+    try:
+        server = serving.serve(model, max_bytes=cache + buffers, **EMU, **SMALL)
+        same(*both(model, twin, ids, max_new_tokens=6, **GREEDY))
+        stats = server.stats()
+        assert loop_stats(server)["requests"] == 1 and loop_stats(server)["bytes"] == buffers
+        assert stats["budget"]["by_kind"]["loop"] == buffers and stats["budget"]["bytes"] <= cache + buffers
+        serving.stop(model)
+        server = serving.serve(model, max_bytes=cache + buffers - 1, **EMU, **SMALL)
+        same(*both(model, twin, ids, max_new_tokens=6, **GREEDY))
+        why = f"its decode buffers need {buffers} bytes, over max_bytes={cache + buffers - 1}"
+        assert loop_stats(server)["requests"] == 0 and loop_stats(server)["fallbacks"] == {why: 1}
+        assert server.stats()["served_requests"] == 1 and server.stats()["budget"]["bytes"] == cache
+    finally:
+        serving.stop(model)
+
+
 def test_plain_decides_from_the_arguments_alone(tiny_llama_dir):
     model = load(tiny_llama_dir)
     ids = torch.randint(3, 256, (2, 9))

@@ -39,3 +39,35 @@ def test_remembered_signatures_stay_bounded():
     for i in range(10):
         seen.set(i, i)
     assert list(seen.items) == [7, 8, 9]
+
+
+def test_evicting_an_entry_evicts_what_needs_it_and_a_pinned_one_stays():
+    """One ledger for caches and the graphs captured with them: a graph needs its cache, so evicting the
+    cache evicts the graph too (counted by kind); a pinned entry (the cache of a request in flight) is never
+    evicted and counts against what fits."""
+    ledger = graphcache.GraphCache(max_graphs=10, max_bytes=100)
+    cache_a, cache_b = object(), object()
+    ledger.put("cache a", cache_a, 30, "cache")
+    assert ledger.keys_holding([cache_a, cache_b]) == {"cache a"}
+    ledger.put("graph a", "g", 20, "graph", ledger.keys_holding([cache_a]))
+    ledger.put("other", "o", 10, "graph")
+    ledger.pin("cache b")
+    ledger.put("cache b", cache_b, 50, "cache")  # 110 > 100: cache a (oldest) goes, with its graph
+    assert ledger.keys() == ["other", "cache b"] and ledger.total_bytes == 60
+    assert dict(ledger.evictions) == {"cache": 1, "graph": 1}
+    assert ledger.fits(50) and not ledger.fits(51) and ledger.fits(100, key="cache b")
+    evicted = ledger.put("big", "x", 45, "graph", ["cache b"])  # the pinned cache stays, "other" goes
+    assert evicted == [("other", "o")] and ledger.keys() == ["cache b", "big"]
+    ledger.unpin("cache b")
+    assert ledger.count("graph") == 1 and ledger.bytes_of("cache") == 50
+    ledger.clear("cache")  # what needs a cleared cache goes with it, not counted as evicted
+    assert len(ledger) == 0 and ledger.total_bytes == 0 and ledger.evictions["cache"] == 1
+    with pytest.raises(ValueError):
+        ledger.put("k", 1, 1, "a kind")
+
+
+def test_max_graphs_counts_graphs_not_caches():
+    ledger = graphcache.GraphCache(max_graphs=1)
+    ledger.put("cache", object(), 10, "cache")
+    ledger.put("g1", 1, 1)
+    assert ledger.put("g2", 2, 1) == [("g1", 1)] and "cache" in ledger

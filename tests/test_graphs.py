@@ -259,7 +259,7 @@ def test_llama_prefill_replays_match_eager(llama):
 def _attention_masks(run: graphs.GraphedForward) -> list:
     """The attn_mask argument of every attention call in each captured (emulated) graph."""
     masks = []
-    for entry, _ in run._cache._entries.values():
+    for entry in run._cache.entries("graph"):
         for func, args, kwargs, _ in entry.captured.handle.calls:
             if "scaled_dot_product" in func._schema.name:
                 i = [a.name for a in func._schema.arguments].index("attn_mask")
@@ -369,7 +369,7 @@ def test_llama_static_cache_decode_replays_one_graph_per_step(llama):
 
 def _captured_calls(run: graphs.GraphedForward, name: str) -> list:
     """(args, kwargs) of every aten call named `name` in the captured (emulated) graphs."""
-    return [(args, kwargs) for entry, _ in run._cache._entries.values()
+    return [(args, kwargs) for entry in run._cache.entries("graph")
             for func, args, kwargs, _ in entry.captured.handle.calls if func._schema.name == f"aten::{name}"]
 
 

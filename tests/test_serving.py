@@ -38,6 +38,13 @@ def pair(tiny_llama_dir):
     serving.stop(model)
 
 
+def cache_size(model, rows: int, length: int) -> int:
+    """The bytes forgepack's KV cache of this bucket holds (what max_bytes counts for it)."""
+    from transformers import StaticCache
+
+    return serving.expected_cache_bytes(model, StaticCache(config=model.config, max_cache_len=length), rows)
+
+
 def scale_error(expected: torch.Tensor, got: torch.Tensor) -> float:
     return compare.scale_error(expected.float(), got.float())
 
@@ -147,11 +154,12 @@ def test_padding_never_leaks_padded_against_exact_buckets(tiny_llama_dir):
 
 
 def test_graphs_over_max_bytes_run_eagerly_and_stats_say_why(pair):
-    """max_bytes bounds the memory the served graphs hold (one pool, graphs.GraphedForward's bound): a
-    graph over it is replayed for the call that captured it and dropped, and its bucket then counts its
-    calls under "over max_bytes" (not "capture failed": nothing failed). Results stay eager's."""
+    """max_bytes bounds the memory the server holds (one pool, graphs.GraphedForward's bound): with room for
+    the bucket's KV cache only, a graph over it is replayed for the call that captured it and dropped, and
+    its bucket then counts its calls under "over max_bytes" (not "capture failed": nothing failed). Results
+    stay eager's."""
     model, twin = pair
-    server = serving.serve(model, max_bytes=1, **EMU, **SMALL)
+    server = serving.serve(model, max_bytes=cache_size(model, 2, 64), **EMU, **SMALL)
     ids = torch.randint(1, 256, (2, 9))
     with torch.no_grad():
         for _ in range(2):
@@ -161,7 +169,9 @@ def test_graphs_over_max_bytes_run_eagerly_and_stats_say_why(pair):
     decode = stats["buckets"]["decode b2 c64"]
     # 10 decode steps: two warm-ups, the capture (one replay, then dropped), seven eager for its size
     assert decode == {"calls": 10, "eager: warm-up": 2, "captures": 1, "replays": 1, "eager: over max_bytes": 7}
-    assert all("over max_bytes=1" in why for why in stats["graphs"]["failures"].values())
+    limit = cache_size(model, 2, 64)
+    assert all(f"over max_bytes={limit}" in why for why in stats["graphs"]["failures"].values())
+    assert stats["cache_bytes"] == limit == stats["budget"]["bytes"]
 
 
 def test_the_bytes_bound_evicts_the_least_recently_used_bucket(pair):
@@ -180,6 +190,90 @@ def test_the_bytes_bound_evicts_the_least_recently_used_bucket(pair):
             assert torch.equal(generate(model, ids[rows]).sequences, generate(twin, ids[rows]).sequences)
     stats = server.stats()["graphs"]
     assert stats["evictions"] >= 1 and stats["graph_bytes"] <= one * 1.2
+
+
+def held(server) -> dict:
+    """What forgepack holds, counted apart from the ledger: the StaticCaches alive in the process (the
+    eager twin makes none) with their allocated bytes, and the graphs of the graphed forward and the loop."""
+    import gc
+
+    from transformers import StaticCache
+
+    gc.collect()
+    caches = [o for o in gc.get_objects() if isinstance(o, StaticCache)]  # counted, not kept: no reference left
+    graph_bytes = sum(entry.nbytes for entry in server.pool.entries("graph"))
+    return {"caches": len(caches), "cache_bytes": sum(serving.cache_bytes(c) for c in caches),
+            "graph_bytes": graph_bytes, "loop_bytes": sum(loop.state.nbytes() + (loop.graph.nbytes if loop.graph else 0)
+                              for loop in server.pool.entries("loop"))}
+
+
+def newly_made(server) -> int:
+    """How many of the caches the server holds were not held at the last look (a function: no reference
+    to a cache stays in the test's frame, or the count of caches alive would see it)."""
+    new = [c for c in server.pool.entries("cache") if not hasattr(c, "_seen_by_test")]
+    for cache in new:
+        cache._seen_by_test = True
+    return len(new)
+
+
+@pytest.mark.parametrize("decode_loop", [False, True])
+def test_a_trace_over_buckets_stays_under_max_bytes_evicting_caches_with_their_graphs(pair, decode_loop):
+    """max_bytes covers forgepack's KV caches with its graphs: a bound that holds the largest bucket's cache and
+    graphs but no second cache beside them. A trace alternating batch buckets 1, 2 and 4 evicts the least
+    recently used cache with the graphs captured on it and re-creates it when its bucket comes back; after every
+    request the caches alive in the process and the graphs held (counted apart from the ledger) stay under the
+    bound, and every request's tokens are eager's and its logits eager's within fp32 noise."""
+    model, twin = pair
+    options = {**EMU, **SMALL, "decode_loop": decode_loop}
+    ids = {rows: torch.randint(1, 256, (rows, 9)) for rows in (1, 2, 3)}
+    probe = serving.serve(model, **options)
+    with torch.no_grad():
+        for _ in range(4):
+            generate(model, ids[3])
+    footprint = probe.stats()["budget"]["bytes"]  # the b4 bucket's cache, graphs and loop, all captured
+    serving.stop(model)
+    limit = footprint + 1000  # no room for even the b1 cache beside it
+    assert cache_size(model, 1, 64) > 1000
+    server = serving.serve(model, max_bytes=limit, **options)
+    made = 0  # caches forgepack made: more than the three buckets when evicted ones were made again
+    with torch.no_grad():
+        for rows in (3, 3, 3, 1, 1, 2, 3, 3, 1, 2, 2, 3):
+            out, ref = generate(model, ids[rows]), generate(twin, ids[rows])
+            assert torch.equal(out.sequences, ref.sequences)
+            assert scale_error(torch.stack(ref.logits), torch.stack(out.logits)) < 1e-5
+            now = held(server)
+            stats = server.stats()
+            assert now["cache_bytes"] == stats["cache_bytes"] and now["caches"] == len(stats["caches"])
+            assert now["graph_bytes"] == stats["graphs"]["graph_bytes"]
+            assert now["loop_bytes"] == stats["decode_loop"]["bytes"]
+            total = now["cache_bytes"] + now["graph_bytes"] + now["loop_bytes"]
+            assert total == stats["budget"]["bytes"] <= limit, stats["budget"]
+            made += newly_made(server)
+    stats = server.stats()
+    assert stats["served_requests"] == 12 and not stats["eager_requests"]
+    evicted = stats["budget"]["evictions"]
+    assert stats["cache_evictions"] == evicted["cache"] >= 3, stats["budget"]
+    assert made == evicted["cache"] + len(stats["caches"]) > 3  # every cache made is held or was evicted
+    assert evicted["graph"] + evicted["loop"] >= evicted["cache"]  # its graphs went with each cache
+    replays = stats["decode_loop"]["buckets"] if decode_loop else stats["buckets"]
+    assert replays["decode b4 c64"]["replays"] > 0  # re-created buckets still replay after their warm-up
+
+
+def test_a_bucket_whose_cache_can_never_fit_runs_eagerly_and_says_why(pair):
+    """A bound under the b2 cache's bytes: a 2-row request runs eagerly (its tokens eager's, the reason in
+    stats(), nothing allocated for it), while a 1-row request is still served under the same bound."""
+    model, twin = pair
+    limit = cache_size(model, 2, 64) - 1
+    server = serving.serve(model, max_bytes=limit, **EMU, **SMALL)
+    with torch.no_grad():
+        for rows in (2, 1, 2):
+            ids = torch.randint(1, 256, (rows, 9))
+            assert torch.equal(generate(model, ids).sequences, generate(twin, ids).sequences)
+    stats = server.stats()
+    why = f"its KV cache (b2 c64) needs {limit + 1} bytes, over max_bytes={limit}"
+    assert stats["eager_requests"] == {why: 2} and stats["served_requests"] == 1
+    assert stats["caches"] == [(1, 64, False)] and stats["budget"]["bytes"] <= limit
+    assert not any(k.endswith("b2 c64") for k in stats["buckets"])
 
 
 # --- a full generate() -------------------------------------------------------------------------------
@@ -420,6 +514,61 @@ def test_activate_serves_generate_and_deactivate_gives_it_back(tiny_llama_dir, m
     assert "forward" not in vars(model) and model.generation_config.disable_compile is before
 
 
+def test_class_level_activate_serves_any_model_s_generate_and_deactivate_restores_stock(tiny_llama_dir,
+                                                                                        monkeypatch):
+    """activate(graphs=True) without model=: every instance of the pack's model class has its generate()
+    served from its first call (a server of its own, with activate's options, counted in its stats;
+    tokens and logits eager's); serving.stop(model) takes one model off; deactivate() puts the class's own
+    generate back (the same function object) and no server is made again."""
+    from transformers import LlamaForCausalLM
+
+    from forgepack import runtime
+    from forgepack.runtime.packinfo import GraphVerdict
+
+    stock = LlamaForCausalLM.__dict__.get("generate")
+    inherited = LlamaForCausalLM.generate
+    manifest = types.SimpleNamespace(graphs=GraphVerdict(), model_arch="LlamaForCausalLM")
+    monkeypatch.setattr(runtime, "manifest", lambda: manifest)
+    monkeypatch.setattr(runtime, "_fused", lambda: None)
+    monkeypatch.setitem(runtime._STATE, "loaded", False)
+    model, other, twin = load(tiny_llama_dir), load(tiny_llama_dir), load(tiny_llama_dir)
+    ids = torch.randint(1, 256, (2, 9))
+    with torch.no_grad():
+        ref = generate(twin, ids)  # stock, before activation
+    try:
+        runtime._enable_graphs(None, {"backend": "emulate", "cache_lengths": (64,), "prompt_buckets": (16,),
+                                      "max_bytes": 10**7})
+        assert serving.server(model) is None  # nothing is made before the first call
+        with torch.no_grad():
+            for _ in range(4):
+                out = generate(model, ids)
+                assert torch.equal(out.sequences, ref.sequences)
+                assert scale_error(torch.stack(ref.logits), torch.stack(out.logits)) < 1e-5
+            generate(other, ids)
+        server = serving.server(model)
+        assert server is not None and serving.server(other) is not None and serving.server(twin) is None
+        assert server.options.cache_lengths == (64,) and server.pool.max_bytes == 10**7
+        stats = server.stats()
+        assert stats["served_requests"] == 4 and stats["decode_loop"]["requests"] == 4
+        assert stats["decode_loop"]["buckets"]["decode b2 c64"]["replays"] > 0
+        copied = copy.deepcopy(model)  # its copy: served through the class (a server of its own), not the original's
+        with torch.no_grad():
+            assert torch.equal(generate(copied, ids).sequences, ref.sequences)
+        assert serving.server(copied) not in (None, server)
+        assert serving.stop(other) and "generate" not in vars(other)
+        with torch.no_grad():
+            generate(other, ids)
+        assert serving.server(other) is None  # stopped: the class does not serve it again
+    finally:
+        runtime.deactivate()
+    assert LlamaForCausalLM.__dict__.get("generate") is stock and LlamaForCausalLM.generate is inherited
+    assert serving.server(model) is None and "generate" not in vars(model) and "forward" not in vars(model)
+    with torch.no_grad():
+        assert torch.equal(generate(model, ids).sequences, ref.sequences)
+        assert torch.equal(generate(copied, ids).sequences, ref.sequences)
+    assert serving.server(model) is None and serving.server(copied) is None
+
+
 def test_serving_imports_only_torch_the_standard_library_graphs_and_the_decode_loop():
     import ast
     import sys
@@ -484,11 +633,13 @@ def test_gpu_inference_mode_capture(tiny_llama_dir):
 @pytest.mark.gpu
 def test_gpu_served_graphs_share_one_pool_bounded_by_max_bytes(tiny_llama_dir):
     """Real graphs: the server's graphs go to the device's one shared pool, and a bound they do not fit
-    under (a graph's bytes are its static inputs and the pool's growth) leaves them eager, named."""
+    under beside the KV cache (a graph's bytes are its static inputs and the pool's growth) leaves them
+    eager, named; the cache is counted, the decode loop's buffers do not fit either."""
     from forgepack.runtime import graphbackends
 
     model, twin = load(tiny_llama_dir, "cuda"), load(tiny_llama_dir, "cuda")
-    server = serving.serve(model, max_bytes=1, cache_lengths=(64,), prompt_buckets=(16,))
+    # room for the KV cache (64 bytes of slack: a transformers version's bookkeeping tensors), not a graph
+    server = serving.serve(model, max_bytes=cache_size(model, 2, 64) + 64, cache_lengths=(64,), prompt_buckets=(16,))
     try:
         ids = torch.randint(1, 256, (2, 9), device="cuda")
         with torch.no_grad():
@@ -500,6 +651,9 @@ def test_gpu_served_graphs_share_one_pool_bounded_by_max_bytes(tiny_llama_dir):
         stats = server.stats()
         assert stats["graphs"]["graphs"] == 0, stats
         assert stats["buckets"]["decode b2 c64"]["eager: over max_bytes"] == 7, stats
+        held = serving.cache_bytes(server.pool.entries("cache")[0])  # as allocated, counted
+        assert stats["cache_bytes"] == held == stats["budget"]["bytes"] > 0, stats
+        assert any("decode buffers" in why for why in stats["decode_loop"]["fallbacks"]), stats
     finally:
         serving.stop(model)
 

@@ -181,8 +181,9 @@ def activate(strict: bool = False, graphs: bool = False, model: Any = None, **gr
 
     `graphs=True` also replays the model's forward from CUDA graphs, one per input signature, with the
     pack's kernels inside (`graphs.GraphedForward`; `graph_options` are its options): for `model` if
-    given, else for every instance of the model class the pack was built for. Where the build found
-    the forward unsafe to capture, the manifest says why and graph mode stays off (one warning).
+    given, else for every instance of the model class the pack was built for (and then each causal LM
+    instance's `generate()` is served from its first call: `serving.serve_class`). Where the build
+    found the forward unsafe to capture, the manifest says why and graph mode stays off (one warning).
     For a causal LM `model`, `generate()` is served too (`serving.py`): forgepack's static cache per
     batch bucket, padded batch and prompt buckets, one replay per decode step, and transformers'
     automatic torch.compile turned off for that model (one log line says so). To get transformers'
@@ -191,7 +192,8 @@ def activate(strict: bool = False, graphs: bool = False, model: Any = None, **gr
     `serve=False` keeps graph mode to the forward (the old behaviour), transformers' compile off for
     that model too (its generation config, put back by `deactivate()`). Bucket and memory options
     (`batch_buckets`, `prompt_buckets`, `cache_lengths`, `max_cache_len`, `max_bytes`) join
-    `graph_options`; `warmup(model, ...)` captures before the first request.
+    `graph_options`; `max_bytes` bounds a served model's graphs, the KV caches forgepack allocates for
+    it and its decode loop's buffers together; `warmup(model, ...)` captures before the first request.
 
     Given `model`, it also checks that the model is laid out as the pack was built for: a pack built
     for a channels-last model on an NCHW one would be correct but useless (every guard misses), so
@@ -257,12 +259,18 @@ def _enable_graphs(model: Any, options: dict[str, Any]) -> None:
     options.setdefault("context_key", lambda: _STATE["generation"])
     from . import serving
 
-    if options.pop("serve", True) and model is not None and serving.servable(model):
+    serve = options.pop("serve", True)
+    if serve and model is not None and serving.servable(model):
         serving.serve(model, **options)  # graph mode inside model.generate() (serving.py)
+    elif model is None:
+        # Every instance of the class: graph mode on its forward, and its generate() served on first call
+        # (a causal LM only): the server needs an instance, so it is made there, with these options.
+        graphs_mod.enable(target, **{k: v for k, v in options.items() if k not in serving.SERVE_OPTIONS})
+        if serve:
+            serving.serve_class(target, **options)
     else:
         graphs_mod.enable(target, **options)
-        if model is not None:  # generate() would compile the graphed forward: the two would fight
-            serving.compile_off(model)
+        serving.compile_off(model)  # generate() would compile the graphed forward: the two would fight
     _STATE["graphs"] = True
 
 
@@ -314,6 +322,7 @@ def deactivate() -> None:
             from . import serving
 
             serving.stop_all()  # generate() is the model's own again
+            serving.stop_classes()  # and every served class's
             serving.compile_back_all()  # and transformers' compile as the model had it
             graphs_mod.disable_all()  # before the kernels go: a graph would replay them
             _STATE["graphs"] = False

@@ -222,6 +222,14 @@ class _State:
         alive = self.alive[:steps].tolist()
         return alive.index(0) + 1 if 0 in alive else steps
 
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in vars(self).values() if isinstance(t, torch.Tensor))
+
+
+def state_bytes(rows: int, vocab: int, width: int) -> int:
+    """The bytes of a decode graph's buffers, before allocating them (measured on the meta device)."""
+    return _State(rows, vocab, width, torch.device("meta")).nbytes()
+
 
 @dataclass
 class _Loop:
@@ -230,10 +238,12 @@ class _Loop:
     state: _State
     cache: Any
     kwargs: dict
-    counts: collections.Counter = field(default_factory=collections.Counter)
+    bucket: str
+    key: tuple  # its key in the pool
+    counts: collections.Counter = field(default_factory=collections.Counter)  # the bucket's, kept across loops
     graph: Captured | None = None
     warm: int = 0
-    failed: str = ""
+    failed: str = ""  # why its steps run eagerly: "capture failed", "over max_bytes"
 
 
 class DecodeLoop:
@@ -251,7 +261,11 @@ class DecodeLoop:
         probe = decode_kwargs_of(server.eager, torch.zeros(1, 1, dtype=torch.long), None, 0)
         self.positions = "cache_position" in probe
         self.keeps = "logits_to_keep" in inspect.signature(server.eager).parameters
-        self._loops: dict[tuple, _Loop] = {}
+        # The loops live in the server's pool (the graph ledger bounded by max_bytes): a loop needs its
+        # cache, so evicting the cache evicts the loop; counts and failures outlive an evicted loop.
+        self.pool = server.pool
+        self._counts: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+        self._failures: dict[str, str] = {}
         self._requests = 0
         self._fallbacks: collections.Counter = collections.Counter()
 
@@ -281,7 +295,13 @@ class DecodeLoop:
             return None, f"input_ids on {ids.device}, the model on {device}"
         if self.backend.needs_cuda and device.type != "cuda":
             return None, f"the model is on {device.type} (graphs need CUDA)"
-        return plain(model, ids, kwargs)
+        greedy, why = plain(model, ids, kwargs)
+        if greedy is not None and self.pool.get(self._key(request)) is None:
+            vocab = int(getattr(model.config, "vocab_size", 0) or 0)
+            nbytes = state_bytes(request.rows, vocab, request.cache_len)
+            if not self.pool.fits(nbytes):
+                return None, f"its decode buffers need {nbytes} bytes, over max_bytes={self.pool.max_bytes}"
+        return greedy, why
 
     def _decode(self, request: Any, ids: torch.Tensor, greedy: Greedy) -> Any:
         batch, prompt = ids.shape
@@ -325,11 +345,14 @@ class DecodeLoop:
             call["logits_to_keep"] = 1
         return self.server._forward(request, call).logits[:, -1]
 
-    def _loop(self, request: Any, vocab: int, device: torch.device) -> _Loop:
+    def _key(self, request: Any) -> tuple:
         autocast = tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cuda", "cpu"))
         extra = self.context_key() if self.context_key is not None else None
-        key = (request.rows, request.cache_len, torch.is_inference_mode_enabled(), autocast, extra)
-        loop = self._loops.get(key)
+        return ("decode loop", request.rows, request.cache_len, torch.is_inference_mode_enabled(), autocast, extra)
+
+    def _loop(self, request: Any, vocab: int, device: torch.device) -> _Loop:
+        key = self._key(request)
+        loop = self.pool.get(key)
         if loop is None or loop.cache is not request.cache or loop.state.vocab != vocab:
             state = _State(request.rows, vocab, request.cache_len, device)
             kwargs = decode_kwargs_of(self.server.eager, state.token, request.cache, 0)
@@ -339,9 +362,20 @@ class DecodeLoop:
             kwargs["attention_mask"] = state.mask.view(request.rows, 1, 1, request.cache_len)
             if "cache_position" in kwargs:
                 kwargs["cache_position"] = state.where
-            loop = self._loops[key] = _Loop(state, request.cache, kwargs)
-            loop.counts["bucket"] = f"decode b{request.rows} c{request.cache_len}"
+            bucket = f"decode b{request.rows} c{request.cache_len}"
+            loop = _Loop(state, request.cache, kwargs, bucket, key, self._counts[bucket])
+            if not self._hold(loop):  # _admit checked it at the config's vocabulary: the logits' is larger
+                self._give_up(loop, "over max_bytes", f"decode buffers of {state.nbytes()} bytes, over "
+                              f"max_bytes={self.pool.max_bytes} (kept for this request only)")
         return loop
+
+    def _hold(self, loop: _Loop) -> bool:
+        """Count the loop in the pool (its buffers, its graph once captured); False when it does not fit."""
+        nbytes = loop.state.nbytes() + (loop.graph.nbytes if loop.graph is not None else 0)
+        if not self.pool.fits(nbytes, loop.key):
+            return False
+        self.pool.put(loop.key, loop, nbytes, "loop", self.pool.keys_holding((loop.cache,)))
+        return True
 
     # -- one decode step ---------------------------------------------------------------------------------
 
@@ -360,20 +394,27 @@ class DecodeLoop:
             return
         if loop.failed or loop.warm < self.warmup:
             loop.warm += 1
-            loop.counts["eager: capture failed" if loop.failed else "eager: warm-up"] += 1
+            loop.counts[f"eager: {loop.failed or 'warm-up'}"] += 1
             self._run(loop)
             return
         try:
             with mask_once():
                 captured = self.backend.capture(self._run, (loop,), {}, device)
         except Exception as err:  # the step still runs, eagerly, from now on
-            loop.failed = f"capture failed: {first_line(err)}"
-            warnings.warn(f"forgepack decode loop: running eagerly for {loop.counts['bucket']}: {loop.failed}",
+            self._give_up(loop, "capture failed", f"capture failed: {first_line(err)}")
+            warnings.warn(f"forgepack decode loop: running eagerly for {loop.bucket}: {self._failures[loop.bucket]}",
                           RuntimeWarning, stacklevel=2)
-            loop.counts["eager: capture failed"] += 1
             self._run(loop)
             return
-        loop.graph = captured  # a capture executes nothing (the emulation undoes its writes): replay it now
+        loop.graph = captured
+        if not self._hold(loop):  # graph and buffers beside the cache: over the bound
+            loop.graph = None
+            nbytes = loop.state.nbytes() + captured.nbytes
+            self._give_up(loop, "over max_bytes", f"graph and buffers hold {nbytes} bytes beside "
+                          f"{self.pool.pinned_bytes()} bytes in use, over max_bytes={self.pool.max_bytes}")
+            self._run(loop)  # a capture executes nothing (the emulation undoes its writes)
+            return
+        # a capture executes nothing (the emulation undoes its writes): replay it now
         loop.counts["captures"] += 1
         loop.graph.replay()
         loop.counts["replays"] += 1
@@ -392,22 +433,26 @@ class DecodeLoop:
 
     # -- introspection -----------------------------------------------------------------------------------
 
+    def _give_up(self, loop: _Loop, reason: str, detail: str) -> None:
+        """The loop's steps run eagerly from now on (counted under `reason`; `detail` in failures)."""
+        loop.failed = reason
+        loop.counts[f"eager: {reason}"] += 1
+        self._failures[loop.bucket] = detail
+
     def stats(self) -> dict[str, Any]:
-        """Requests decoded by the loop, requests left to the other path by why, and per graph its steps,
-        replays, captures and eager steps by reason."""
-        buckets: dict[str, dict] = {}
-        for loop in self._loops.values():
-            counts = buckets.setdefault(loop.counts["bucket"], collections.Counter())
-            counts.update({k: v for k, v in loop.counts.items() if k != "bucket"})
-        graphs = [loop.graph for loop in self._loops.values() if loop.graph is not None]
+        """Requests decoded by the loop, requests left to the other path by why, per bucket its steps,
+        replays, captures and eager steps by reason, and the graphs and bytes (buffers included) held."""
+        loops = self.pool.entries("loop")
+        graphs = [loop.graph for loop in loops if loop.graph is not None]
         return {"requests": self._requests, "fallbacks": dict(self._fallbacks),
-                "buckets": {k: dict(v) for k, v in sorted(buckets.items())},
+                "buckets": {k: dict(v) for k, v in sorted(self._counts.items())},
                 "graphs": len(graphs), "graph_bytes": sum(g.nbytes for g in graphs),
-                "failures": {loop.counts["bucket"]: loop.failed for loop in self._loops.values() if loop.failed}}
+                "bytes": self.pool.bytes_of("loop"), "evictions": self.pool.evictions["loop"],
+                "failures": dict(self._failures)}
 
     def clear(self) -> None:
         """Drop every graph and buffer (the server's caches are going)."""
-        self._loops.clear()
+        self.pool.clear("loop")
 
 
 def _output(sequences: torch.Tensor, scores: tuple | None, logits: tuple | None) -> Any:

@@ -62,7 +62,7 @@ import torch
 
 from . import transformers_hooks
 from .graphbackends import Captured, CudaBackend, GraphPool, make_backend
-from .graphcache import DEFAULT_MAX_GRAPHS, GraphCache, Remembered
+from .graphcache import DEFAULT_MAX_GRAPHS, KINDS, GraphCache, Remembered  # noqa: F401 (KINDS: serving's stats)
 from .graphkeys import Scan, copy_outputs, describe, first_line, rebuild, scan_arguments, tensor_bytes, tensor_version
 
 DEFAULT_WARMUP = 2
@@ -97,7 +97,8 @@ class GraphedForward:
     """A forward that replays CUDA graphs per input signature and runs eagerly otherwise.
 
     `target`: an `nn.Module` (its `forward` at construction is wrapped) or any callable.
-    `max_graphs` / `max_bytes`: bounds of the graph cache (least recently used evicted first).
+    `max_graphs` / `max_bytes`: bounds of the graph cache (least recently used evicted first); a
+        `serving.Server` counts its KV caches and decode loop in the same cache, under the same bound.
     `warmup`: eager calls per signature before it is captured (at least 1: lazy initialisation).
     `pool`: a `GraphPool`, "private" (a pool of its own per device), or None: the one pool shared by
         every graph of the device.
@@ -244,10 +245,13 @@ class GraphedForward:
             return self._eager(args, kwargs, "capture failed")
         if not fits:
             limit = self._cache.max_bytes
-            self._give_up(key, summary, f"graph holds {entry.nbytes} bytes, over max_bytes={limit}", warn=False,
-                          later="over max_bytes")
+            beside = self._cache.pinned_bytes()
+            where = f" beside {beside} bytes in use" if beside else ""
+            self._give_up(key, summary, f"graph holds {entry.nbytes} bytes{where}, over max_bytes={limit}",
+                          warn=False, later="over max_bytes")
             return out
-        self._counts["evictions"] += len(self._cache.put(key, entry, entry.nbytes))
+        # the cache it was captured with (forgepack's, in the same ledger) must outlive it
+        self._cache.put(key, entry, entry.nbytes, "graph", self._cache.keys_holding(entry.objects))
         return out
 
     def _capture_entry(self, key, scan, args, kwargs, device, summary) -> _Entry:
@@ -312,11 +316,12 @@ class GraphedForward:
     # -- introspection and control ---------------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
-        """Counters: captures, replays, eager_calls (warm-ups included), warmups, evictions, fallbacks
-        (signatures given up), graphs and graph_bytes now held, and eager calls by reason."""
-        counts = {name: self._counts[name] for name in
-                  ("captures", "replays", "eager_calls", "warmups", "evictions", "fallbacks")}
-        return {**counts, "graphs": len(self._cache), "graph_bytes": self._cache.total_bytes,
+        """Counters: captures, replays, eager_calls (warm-ups included), warmups, evictions (of its graphs,
+        also those that went with an evicted cache), fallbacks (signatures given up), graphs and
+        graph_bytes now held, and eager calls by reason."""
+        counts = {name: self._counts[name] for name in ("captures", "replays", "eager_calls", "warmups", "fallbacks")}
+        counts["evictions"] = self._cache.evictions["graph"]
+        return {**counts, "graphs": self._cache.count("graph"), "graph_bytes": self._cache.bytes_of("graph"),
                 "reasons": dict(self._reasons), "failures": dict(self.failures)}
 
     def reset(self) -> None:

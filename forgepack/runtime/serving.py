@@ -36,10 +36,18 @@ How a request is served (`Server.generate`):
    prefills through step 4 and replays one graph per whole decode step, greedy pick and stopping
    included (`ServeOptions.decode_loop=False` serves every request through generate as above).
 
+Memory: `max_bytes` bounds everything the server holds, in one ledger (the graphed forward's
+`graphcache.GraphCache`): its graphs, the KV caches it allocates (counted from the model's config before
+their first prefill allocates them, as measured after) and the decode loop's graphs and buffers. A new
+cache evicts the least recently used ones, each with the graphs and loop captured on it (they hold its
+addresses); the cache of a request in flight is pinned. A bucket whose cache cannot fit at all serves
+its request eagerly, and a graph that cannot fit beside its cache runs eagerly, both with the reason in
+`stats()`. A caller's own cache is the caller's memory, not counted; nor are the transient activations.
+
 Requests it does not serve run `generate` eagerly and say why in `stats()["eager_requests"]`: beam
 search, assisted generation, `inputs_embeds`, attention/hidden-state outputs, encoder-decoders, a
 caller's cache that is not a `StaticCache`, a batch over the largest bucket, a request longer than the
-largest cache.
+largest cache, a bucket whose cache is over `max_bytes`.
 """
 
 from __future__ import annotations
@@ -118,7 +126,7 @@ class ServeOptions:
         return limit if needed <= limit else None
 
 
-_SERVE_KEYS = frozenset(f for f in ServeOptions.__dataclass_fields__)
+SERVE_OPTIONS = frozenset(f for f in ServeOptions.__dataclass_fields__)  # the rest are graph options
 
 
 @dataclass
@@ -126,10 +134,11 @@ class _Request:
     batch: int  # rows generate sees
     rows: int  # rows the forward runs (the bucket)
     cache: Any
-    own: bool  # forgepack's cache (reset, sized by us) or the caller's
+    own: bool  # forgepack's cache (reset, sized by us, counted in max_bytes) or the caller's
     pad_prompt: bool
     cache_len: int
     calls: int = 0
+    mode: bool = False  # inference mode when planned (forgepack's caches are per mode)
 
 
 class _Bucketed:
@@ -177,7 +186,10 @@ class Server:
             raise RuntimeError("graph mode is disabled (FORGEPACK_DISABLE)")
         self.eager = graphs.eager_forward(model)
         self.cache_key = graphs.cache_kwarg(model)
-        self._caches: dict[tuple[int, int], Any] = {}
+        # One ledger for the budget: the graphed forward's graph cache also holds the KV caches this server
+        # allocates and the decode loop's graphs and buffers, all bounded together by `max_bytes`.
+        self.pool = self.graphed._cache
+        self._sizes: dict[tuple, int] = {}  # a cache's bytes as measured once its layers were allocated
         self._lock = threading.RLock()
         self._local = threading.local()
         self._requests: collections.Counter = collections.Counter()
@@ -186,7 +198,9 @@ class Server:
         self.loop = decodeloop.DecodeLoop(self)
         had = "generate" in vars(model)
         self._restore = (had, vars(model).get("generate"))
-        self._original = vars(model)["generate"] if had else type(model).generate.__get__(model)
+        own = vars(model)["generate"] if had else type(model).generate.__get__(model)
+        base = getattr(getattr(own, "__func__", None), _CLASS_MARK, None)  # a served class's patch: unwrap it
+        self._original = base.__get__(model) if base is not None else own
         vars(model)["generate"] = _ServedGenerate(self)
         _SERVERS[model] = self
         if options.disable_compile:
@@ -205,8 +219,16 @@ class Server:
             self._eager_requests[why] += 1
             return self._run(None, inputs, args, kwargs)
         self._requests["served"] += 1
-        fast = self.loop.generate(plan, ids, kwargs) if self.options.decode_loop else None
-        return fast if fast is not None else self._run(plan, inputs, args, kwargs)
+        key = _cache_key(plan.rows, plan.cache_len, plan.mode) if plan.own else None
+        if key is not None:
+            self.pool.pin(key)  # in use: never evicted by this request's own graphs
+        try:
+            fast = self.loop.generate(plan, ids, kwargs) if self.options.decode_loop else None
+            return fast if fast is not None else self._run(plan, inputs, args, kwargs)
+        finally:
+            if key is not None:
+                self.pool.unpin(key)
+                self._measured(key, plan.cache)
 
     def _run(self, request: _Request | None, inputs: Any, args: tuple, kwargs: dict) -> Any:
         kwargs = dict(kwargs)
@@ -261,19 +283,45 @@ class Server:
         if length is None:
             limit = self.options.max_cache_len
             return None, f"prompt {ids.shape[1]} + {new} new tokens is over the largest cache ({limit})"
-        cache = self._cache(bucket, length)
+        cache, why = self._cache(bucket, length)
+        if cache is None:
+            return None, why
         cache.reset()  # in place: the graphs captured with this cache stay valid
-        return _Request(rows, bucket, cache, True, _plain_static(cache), length), ""
+        return _Request(rows, bucket, cache, True, _plain_static(cache), length,
+                        mode=torch.is_inference_mode_enabled()), ""
 
-    def _cache(self, rows: int, length: int) -> Any:
+    def _cache(self, rows: int, length: int) -> tuple[Any, str]:
+        """forgepack's cache for the bucket (made and counted in the pool if new), or (None, why not)."""
         # Tensors made under inference_mode cannot be written outside it (reset() would raise), so each
         # mode has caches of its own (their graphs are apart anyway: the mode is part of every key).
-        key = (rows, length, torch.is_inference_mode_enabled())
-        if key not in self._caches:
-            from transformers import StaticCache
+        key = _cache_key(rows, length, torch.is_inference_mode_enabled())
+        from transformers import StaticCache
 
-            self._caches[key] = StaticCache(config=self.model.config, max_cache_len=length)
-        return self._caches[key]
+        with self.pool._lock:
+            cache = self.pool.get(key)
+            if cache is not None:
+                return cache, ""
+            cache = StaticCache(config=self.model.config, max_cache_len=length)  # layers allocate on first use
+            nbytes = self._sizes.get(key) or expected_cache_bytes(self.model, cache, rows)
+            if not self.pool.fits(nbytes):
+                limit = self.pool.max_bytes
+                return None, f"its KV cache (b{rows} c{length}) needs {nbytes} bytes, over max_bytes={limit}"
+            self.pool.put(key, cache, nbytes, "cache")  # least recently used caches go, with their graphs
+            return cache, ""
+
+    def _measured(self, key: tuple, cache: Any) -> None:
+        """After a request: the cache's bytes as allocated replace the estimate (evicted if now over)."""
+        nbytes = cache_bytes(cache)
+        if not nbytes:
+            return
+        self._sizes[key] = nbytes
+        with self.pool._lock:
+            if self.pool.get(key) is not cache or nbytes == self.pool.nbytes(key):
+                return  # dropped meanwhile (graph mode reset), or measured as estimated
+            if self.pool.fits(nbytes, key):
+                self.pool.put(key, cache, nbytes, "cache", ())
+            else:
+                self.pool.evict(key)
 
     # -- a forward call of a served request --------------------------------------------------------------
 
@@ -346,10 +394,18 @@ class Server:
 
     def stats(self) -> dict[str, Any]:
         """Requests served and run eagerly (with why), per bucket its calls, replays, captures and eager
-        calls by reason, and the graphed forward's own counters."""
+        calls by reason, the caches held (rows, length, inference mode) and their bytes and evictions, the
+        memory budget (`max_bytes` against everything the pool holds, by kind), and the graphed forward's
+        and the decode loop's own counters."""
+        pool = self.pool
         return {"served_requests": self._requests["served"], "eager_requests": dict(self._eager_requests),
                 "buckets": {k: dict(v) for k, v in sorted(self._buckets.items())},
-                "caches": sorted(self._caches), "graphs": self.graphed.stats(), "decode_loop": self.loop.stats()}
+                "caches": sorted(k[1:] for k in pool.keys("cache")), "cache_bytes": pool.bytes_of("cache"),
+                "cache_evictions": pool.evictions["cache"],
+                "budget": {"max_bytes": pool.max_bytes, "bytes": pool.total_bytes,
+                           "by_kind": {kind: pool.bytes_of(kind) for kind in graphs.KINDS},
+                           "evictions": {kind: pool.evictions[kind] for kind in graphs.KINDS}},
+                "graphs": self.graphed.stats(), "decode_loop": self.loop.stats()}
 
     def close(self) -> None:
         """Give `generate` back, free the caches and graphs (graph mode itself is disabled by the caller)."""
@@ -358,7 +414,7 @@ class Server:
             vars(self.model)["generate"] = previous
         else:
             vars(self.model).pop("generate", None)
-        self._caches.clear()
+        self.pool.clear("cache")  # and every graph captured with one
         self.loop.clear()
         _SERVERS.pop(self.model, None)
 
@@ -407,12 +463,15 @@ def compile_back_all() -> int:
 
 def serve(model: Any, **options: Any) -> Server:
     """Serve `model.generate()` through bucketed graphs (idempotent: the first server stays). Options:
-    those of `ServeOptions`, and `graphs.GraphedForward`'s (`max_graphs` defaults to 128 here)."""
+    those of `ServeOptions`, and `graphs.GraphedForward`'s (`max_graphs` defaults to 128 here); a model
+    whose class is served (`serve_class`) gets the class's options under these."""
     current = _SERVERS.get(model)
     if current is not None:
         return current
-    serve_options = {k: v for k, v in options.items() if k in _SERVE_KEYS}
-    graph_options = {k: v for k, v in options.items() if k not in _SERVE_KEYS}
+    _STOPPED.discard(model)
+    options = {**_class_options(type(model)), **options}
+    serve_options = {k: v for k, v in options.items() if k in SERVE_OPTIONS}
+    graph_options = {k: v for k, v in options.items() if k not in SERVE_OPTIONS}
     return Server(model, ServeOptions(**serve_options), graph_options)
 
 
@@ -428,10 +487,13 @@ def warmup(model: Any, batch_sizes=None, prompt_lengths=(16,), max_new_tokens=(6
 
 
 def stop(model: Any) -> bool:
-    """Undo `serve(model)`: `generate` is the model's own again; graph mode is disabled on it."""
+    """Undo `serve(model)`: `generate` is the model's own again; graph mode is disabled on it (and a
+    served class does not serve it again: `serve(model)` would)."""
     current = _SERVERS.get(model)
     if current is None:
         return False
+    if _class_options(type(model)):
+        _STOPPED.add(model)
     current.close()
     graphs.disable(model)
     return True
@@ -440,6 +502,72 @@ def stop(model: Any) -> bool:
 def stop_all() -> int:
     """Undo every `serve` (the pack's `deactivate()` calls this)."""
     return sum(stop(m) for m in list(_SERVERS.keys()))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Every instance of a class: `activate(graphs=True)` without `model=`
+
+
+_CLASS_MARK = "_forgepack_served_class"
+_CLASSES: dict[type, tuple[Any, dict]] = {}  # served class -> (its own `generate`, or _MISSING; options)
+_STOPPED: weakref.WeakSet = weakref.WeakSet()  # instances `stop(model)` took off a served class
+_MISSING = object()
+
+
+def serve_class(cls: type, **options: Any) -> bool:
+    """Serve `generate()` of every instance of `cls` (and its subclasses): on an instance's first call a
+    server is installed on it (`serve(instance, **options)`), then that call and every later one are
+    served. Only a causal LM is served (`servable`); any other instance runs the class's own `generate`.
+    `stop_classes()` (the pack's `deactivate()`) puts the class's `generate` back. Returns whether the
+    class was patched now (False: already served, or it has no `generate`)."""
+    if cls in _CLASSES or not callable(getattr(cls, "generate", None)):
+        return False
+    base = _class_generate(cls)
+
+    @functools.wraps(base)
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        current = _SERVERS.get(self)
+        # cls in _CLASSES: a copy's bound patch (`_ServedGenerate.__deepcopy__`) must not serve after stop_classes()
+        if current is None and cls in _CLASSES and self not in _STOPPED and servable(self):
+            try:
+                current = serve(self)
+            except RuntimeError:  # graph mode disabled (FORGEPACK_DISABLE): the class's own generate
+                current = None
+        if current is not None:
+            return current.generate(*args, **kwargs)
+        return base(self, *args, **kwargs)
+
+    setattr(generate, _CLASS_MARK, base)
+    _CLASSES[cls] = (cls.__dict__.get("generate", _MISSING), dict(options))
+    cls.generate = generate
+    _LOG.info("forgepack graph mode serves %s.generate() for every instance (its server is installed on its "
+              "first call; transformers' automatic torch.compile is off for a served model)", cls.__name__)
+    return True
+
+
+def stop_classes() -> int:
+    """Undo every `serve_class`: each class's `generate` exactly as it was (servers already installed on
+    instances stay until `stop`/`stop_all`)."""
+    restored = list(_CLASSES.items())
+    for cls, (own, _) in restored:
+        if own is _MISSING:
+            delattr(cls, "generate")
+        else:
+            cls.generate = own
+    _CLASSES.clear()
+    _STOPPED.clear()
+    return len(restored)
+
+
+def _class_generate(cls: type) -> Any:
+    """`cls.generate` as transformers defines it (under a `serve_class` patch, the function it wraps)."""
+    method = cls.generate
+    return getattr(method, _CLASS_MARK, method)
+
+
+def _class_options(cls: type) -> dict:
+    served = next((c for c in cls.__mro__ if c in _CLASSES), None)
+    return dict(_CLASSES[served][1]) if served is not None else {}
 
 
 def servable(model: Any) -> bool:
@@ -496,6 +624,33 @@ def _plain_static(cache: Any) -> bool:
 
 def _max_len(cache: Any) -> int:
     return int(min(layer.max_cache_len for layer in cache.layers))
+
+
+def _cache_key(rows: int, length: int, inference: bool) -> tuple:
+    return ("kv cache", rows, length, inference)
+
+
+def cache_bytes(cache: Any) -> int:
+    """The bytes a `StaticCache`'s layers hold now (0 before its first prefill allocates them)."""
+    layers = getattr(cache, "layers", ())
+    if not layers or not all(isinstance(getattr(layer, "keys", None), torch.Tensor) for layer in layers):
+        return 0
+    tensors = [t for layer in layers for t in vars(layer).values() if isinstance(t, torch.Tensor)]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def expected_cache_bytes(model: Any, cache: Any, rows: int) -> int:
+    """The bytes `cache` will hold once its first prefill allocates its layers (keys and values of each
+    layer's length, at the model's dtype; a sliding layer is shorter), before it is allocated."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    heads = int(getattr(config, "num_attention_heads", 1) or 1)
+    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    size = torch.empty((), dtype=dtype).element_size()
+    per_slot = 2 * rows * kv_heads * head_dim * size  # keys and values
+    lengths = sum(int(layer.max_cache_len) for layer in cache.layers)
+    return per_slot * lengths + 8 * len(cache.layers)  # + each layer's int64 length
 
 
 def _rewind(cache: Any, steps: int) -> None:
