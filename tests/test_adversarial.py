@@ -93,7 +93,9 @@ CPU_CASES = [
     ("wrong_after_delay.cpp", relu_card, "static", "state"),
     ("timer_pasted.cpp", relu_card, "static", "rdtsc"),
     ("usual_range_only.cpp", relu_card, "mismatch", "large input"),
-    ("isolated_nonfinite_only.cpp", relu_card, "mismatch", "nonfinite input"),
+    # the edge input's three non-finite values lie at random places: now and then two share a block of
+    # 8 and that input catches it first (seed 720844275 in CI)
+    ("isolated_nonfinite_only.cpp", relu_card, "mismatch", ("nonfinite input", "edge input with inf/-inf/NaN")),
     ("denormal_flush.cpp", relu_card, "mismatch", "denormal input"),
     ("sample_cache.cpp", relu_card, "static", "state"),
     ("mean_bf16.cpp", mean_card, "mismatch", "differs from PyTorch"),
@@ -139,7 +141,8 @@ def test_exploit_rejected(evaluators, target, kernel, make_card, categories, wor
     verdict = evaluators(target).evaluate(make_card(), (KERNELS / kernel).read_text())
     assert not verdict.accepted
     assert verdict.category in categories, verdict.reason
-    assert words in verdict.reason + " ".join(verdict.diagnostics.get("findings", [])), verdict.reason
+    said = verdict.reason + " ".join(verdict.diagnostics.get("findings", []))
+    assert any(w in said for w in ((words,) if isinstance(words, str) else words)), verdict.reason
     if verdict.category == "compile":
         assert "undeclared_identifier" in verdict.diagnostics["compile_log"]
 
