@@ -27,9 +27,9 @@ TESTS = Path(__file__).resolve().parent
 PACKAGE = "forgepack_pack_tiny_llama"
 
 
-@pytest.fixture(scope="module")
-def staged(tmp_path_factory):
-    root = tmp_path_factory.mktemp("fampack")
+def stage_family_pack(root: Path, **record: object):
+    """The family card's mul kernel, verified by the real evaluator, staged as a pack under `root`
+    (its accepted record changed by `record`, e.g. `served=` for a sub-range): (stage dir, manifest, card)."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("FORGEPACK_HOME", str(root / "home"))
         mp.setenv("FORGEPACK_CACHE", str(root / "cache"))
@@ -39,13 +39,18 @@ def staged(tmp_path_factory):
         with Evaluator("cpu") as evaluator:  # the real evaluator, at the family's representative member
             verdict = evaluator.evaluate(fam, MUL, margin=-0.99)
         assert verdict.accepted, verdict.reason
-        record = _record(ws, fam, MUL, verdict.binary, verdict.source_hash, verdict.speedup, verdict.ci_low,
-                         verdict.ci_high, verdict.eager_us, verdict.kernel_us)
-        save_all(ws.root, [dataclasses.replace(record, needs=FAMILY_NEEDS)])
+        kept = _record(ws, fam, MUL, verdict.binary, verdict.source_hash, verdict.speedup, verdict.ci_low,
+                       verdict.ci_high, verdict.eager_us, verdict.kernel_us)
+        save_all(ws.root, [dataclasses.replace(kept, needs=FAMILY_NEEDS, **record)])
         chosen, dropped = builder.select(ws, recipe, margin=-0.99)
         assert [c.card.id for c in chosen] == [fam.id], dropped
         manifest = builder.stage(ws, recipe, chosen, root / "stage", "0.0.1", "skipped")
     return root / "stage", manifest, fam
+
+
+@pytest.fixture(scope="module")
+def staged(tmp_path_factory):
+    return stage_family_pack(tmp_path_factory.mktemp("fampack"))
 
 
 CALLS = r"""

@@ -20,17 +20,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from pack_kernels import MUL, _record, tiny_llama_workspace
 from rich.console import Console
 from test_familyeval import _timed
-from test_shim_families import FAMILY_NEEDS, family_card, mul_inputs
+from test_pack_family import stage_family_pack
+from test_shim_families import family_card, mul_inputs
 
 from forgepack import accepted, cards, families, familyeval, report
 from forgepack import recipe as recipe_mod
 from forgepack.capture import card_from_call
 from forgepack.cards import Dim, Family, TensorMeta
 from forgepack.cli.inspect import read_manifest, variants_table
-from forgepack.evaluate import Evaluator, Verdict
+from forgepack.evaluate import Verdict
 from forgepack.familyeval import PointFigure, sub_range
 from forgepack.pack import builder
 from forgepack.pack import manifest as manifest_mod
@@ -176,23 +176,7 @@ def test_the_python_twin_admits_only_the_sub_range():
 
 @pytest.fixture(scope="module")
 def staged(tmp_path_factory):
-    root = tmp_path_factory.mktemp("subpack")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("FORGEPACK_HOME", str(root / "home"))
-        mp.setenv("FORGEPACK_CACHE", str(root / "cache"))
-        ws, recipe, _ = tiny_llama_workspace(root / "ws", entries=[])
-        fam = family_card()
-        ws.save_card(fam)
-        with Evaluator("cpu") as evaluator:  # the real evaluator, at the family's representative member
-            verdict = evaluator.evaluate(fam, MUL, margin=-0.99)
-        assert verdict.accepted, verdict.reason
-        record = _record(ws, fam, MUL, verdict.binary, verdict.source_hash, verdict.speedup, verdict.ci_low,
-                         verdict.ci_high, verdict.eager_us, verdict.kernel_us)
-        accepted.save_all(ws.root, [dataclasses.replace(record, needs=FAMILY_NEEDS, served=(("d1", 5, 7),))])
-        chosen, dropped = builder.select(ws, recipe, margin=-0.99)
-        assert [c.card.id for c in chosen] == [fam.id], dropped
-        manifest = builder.stage(ws, recipe, chosen, root / "stage", "0.0.1", "skipped")
-    return root / "stage", manifest, fam
+    return stage_family_pack(tmp_path_factory.mktemp("subpack"), served=(("d1", 5, 7),))
 
 
 CALLS = r"""
