@@ -66,19 +66,25 @@ print(json.dumps(pack.stats()))
 """
 
 
+def run_staged(stage: Path, script: str, cwd: Path):
+    """`script` in a fresh Python that imports the staged pack (TESTS set to the tests folder): the JSON
+    its last line prints."""
+    code = f"TESTS = {str(TESTS)!r}\n{script}"
+    env = {**{k: v for k, v in os.environ.items() if k != "FORGEPACK_DISABLE"},
+           "PYTHONPATH": f"{stage}{os.pathsep}{TESTS.parent}{os.pathsep}{TESTS}"}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def test_the_runtime_counts_a_family_variants_hits_and_inspect_lists_it(staged, tmp_path):
     stage, manifest, fam = staged
     assert manifest.variants[0].id == fam.id and manifest.variants[0].needs == FAMILY_NEEDS
     assert read_manifest(stage / PACKAGE) == manifest
     shim = (stage / PACKAGE / "sources" / "shim.cpp").read_text()
     assert "fpg::bind(a0" in shim and "v0_a0_strides, 0, 8};" in shim  # the stated need, not the offset
-    code = f"TESTS = {str(TESTS)!r}\n{CALLS}"
-    env = {**{k: v for k, v in os.environ.items() if k != "FORGEPACK_DISABLE"},
-           "PYTHONPATH": f"{stage}{os.pathsep}{TESTS.parent}{os.pathsep}{TESTS}"}
-    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=300, check=False)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    stats = json.loads(proc.stdout.strip().splitlines()[-1])
+    stats = run_staged(stage, CALLS, tmp_path)
     assert stats == {fam.id: {"op": "aten.mul.Tensor", "hits": 2, "misses": 2, "errors": 0}}
     text = io.StringIO()
     Console(file=text, width=250).print(variants_table(manifest))

@@ -12,9 +12,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
-import os
 import random
-import subprocess
 import sys
 from pathlib import Path
 
@@ -22,7 +20,7 @@ import pytest
 import torch
 from rich.console import Console
 from test_familyeval import _timed
-from test_pack_family import stage_family_pack
+from test_pack_family import run_staged, stage_family_pack
 from test_shim_families import family_card, mul_inputs
 
 from forgepack import accepted, cards, families, familyeval, report
@@ -205,13 +203,7 @@ def test_the_compiled_guard_serves_the_sub_range_and_sends_the_rest_to_stock(sta
     assert read_manifest(stage / PACKAGE) == manifest
     shim = (stage / PACKAGE / "sources" / "shim.cpp").read_text()
     assert "v0_ranges[] = {{1, 4}, {5, 7}};" in shim and "v0_verified[] = {{1, 4}, {2, 7}};" in shim
-    code = f"TESTS = {str(TESTS)!r}\n{CALLS}"
-    env = {**{k: v for k, v in os.environ.items() if k != "FORGEPACK_DISABLE"},
-           "PYTHONPATH": f"{stage}{os.pathsep}{TESTS.parent}{os.pathsep}{TESTS}"}
-    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=300, check=False)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = run_staged(stage, CALLS, tmp_path)
     assert all(result["same"].values()), result
     assert result["stats"] == {fam.id: {"op": "aten.mul.Tensor", "hits": 2, "misses": 2, "errors": 0, "outside": 1,
                                         "served": "d1 in 5..7 of 2..7"}}
