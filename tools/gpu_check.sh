@@ -22,6 +22,10 @@
 #
 # Stages: tests graphtests profile evaluate templates search dispatch packs fusion graphs probe kernels=a+b
 #   build=a+b serve=a+b (issue 21: a pack per recipe, then the serving benchmark with it)
+#   envelope=a+b (issue 20: per base recipe, tools/bench_envelope.py builds the envelope pack, keeps its
+#          wheel under this lane's packs/, then runs the mixed generate() trace on it. Knobs: ENVELOPE_ARGS
+#          (the envelope, default --batch 1-8 --seq-len 16-2048), ENVELOPE_BUDGET (12), ENVELOPE_BUILD_TIME
+#          (420), ENVELOPE_TRACE_ARGS (--requests 12), ENVELOPE_TIME (240))
 #   tests=a+b: the GPU tests of tests/test_a.py and tests/test_b.py only (per lane).
 #   search=a+b: the allocator-vs-uniform benchmark on these recipes only (per lane).
 #   packs: builds a pack per recipe and times eager / pack / graphs / pack+graphs / torch.compile /
@@ -110,6 +114,15 @@ run_stage() {
                  wheel=$(ls "$packs_dir/$m"/*.whl 2>/dev/null | head -1)
                  stage "serve-$m" "${SERVE_TIME:-420}" python3 tools/bench_serve.py --models "$m" \
                    ${wheel:+--pack "$wheel"} ${SERVE_ARGS:-} --out "$OUT/results"
+               done ;;
+    envelope=*) # the build in one stage and the trace in another: a cut trace still leaves the wheel
+               local b whl env=${ENVELOPE_ARGS:---batch 1-8 --seq-len 16-2048}
+               for b in $(echo "${1#envelope=}" | tr + ' '); do
+                 stage "envelope-build-$b" "${ENVELOPE_BUILD_TIME:-420}" python3 tools/bench_envelope.py --base "$b" \
+                   $env --budget "${ENVELOPE_BUDGET:-12}" --no-gate --build-only
+                 whl=$(ls "$OUT/packs/forgepack_pack_${b//[-.]/_}_envelope"-*.whl 2>/dev/null | head -1)
+                 [ -n "$whl" ] && stage "envelope-trace-$b" "${ENVELOPE_TIME:-240}" python3 tools/bench_envelope.py \
+                   --base "$b" $env --pack "$whl" ${ENVELOPE_TRACE_ARGS:---requests 12}
                done ;;
     graphs)    stage graphs "${GRAPHS_TIME:-300}" python3 tools/bench_graphs.py ;;
     fusion)    stage fusion "${FUSION_TIME:-300}" python3 tools/bench_fusion.py --budget-s "${FUSION_BUDGET_S:-230}" ;;
