@@ -72,10 +72,12 @@ def build(r: recipe.Recipe, root: Path) -> tuple[Path, dict[str, Any]]:
            str(root / "packs"), "--json"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     start = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+    # The build's progress passes through to our stderr: a build cut by a device call's limit still
+    # says how far it got (session 10 lost a 400 s call to a silent one).
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=env, check=False)
     seconds = time.perf_counter() - start
     if proc.returncode != 0:
-        sys.exit(f"bench_envelope: the build failed (exit {proc.returncode}): {proc.stderr.strip()[-2000:]}")
+        sys.exit(f"bench_envelope: the build failed (exit {proc.returncode}); its output is above")
     doc = json.loads(proc.stdout)
     if not doc.get("wheel"):
         sys.exit(f"bench_envelope: the build wrote no wheel (gate {doc.get('gate')}): nothing to serve")
