@@ -15,6 +15,7 @@ from the recipe and that profile, then passed to the proposer, the executor and 
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -145,11 +146,15 @@ def make_executor(name: str, recipe: Recipe, facts: TargetFacts,
 
 def search(recipe: Recipe, workspace: Workspace, profiled: Profiled, facts: TargetFacts,
            reporter: run.Reporter | None = None, strategy: str = "allocator", executor: str = "local",
-           executor_options: Mapping[str, Any] | None = None) -> run.SearchResult:
-    """Spend the recipe's budget on its cards (resumable from the workspace's store)."""
+           executor_options: Mapping[str, Any] | None = None, started: float | None = None) -> run.SearchResult:
+    """Spend the recipe's budget on its cards (resumable from the workspace's store). `build.time_limit`
+    counts from `started` (`time.monotonic()`, default now): `build` passes its own start, so the limit
+    covers profile and search."""
     chosen = make_proposer(recipe, facts)
+    limit = recipe.build.time_limit
+    deadline = None if limit is None else (time.monotonic() if started is None else started) + limit
     settings = run.Settings(budget=recipe.build.budget, target=facts.target, arch=facts.arch, strategy=strategy,
-                            max_cost=recipe.build.max_cost, margin=recipe.build.margin)
+                            max_cost=recipe.build.max_cost, margin=recipe.build.margin, deadline=deadline)
     with make_executor(executor, recipe, facts, executor_options) as ex:
         if reporter is not None:
             reporter.note(ex.summary())  # how many evaluators, and any device refused
@@ -210,13 +215,14 @@ def build(recipe: Recipe, workspace: Workspace, *, listener: Listener | None = N
           out_dir: Path = Path("packs"), console: Any = None) -> Built:
     """Profile (unless the workspace has this recipe's), search, save accepted.json, pack.
     `console`: a rich console for the pack's report table (None: not printed)."""
+    started = time.monotonic()
     listener = listener or Listener()
     preflight(recipe, strategy, executor, executor_options)
     with listener.profiling() as note:
         profiled = profile(recipe, workspace, note)
     facts = target_facts(recipe, profiled.profile)
     with listener.searching(profiled.cards) as reporter:
-        found = search(recipe, workspace, profiled, facts, reporter, strategy, executor, executor_options)
+        found = search(recipe, workspace, profiled, facts, reporter, strategy, executor, executor_options, started)
     accepted = run.save_accepted(workspace, found.accepted)
     listener.searched(found, accepted)
     with listener.packing() as note:

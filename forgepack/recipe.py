@@ -127,6 +127,7 @@ class BuildSettings:
     proposer: str = "templates"
     margin: float = 0.05
     max_cost: float | None = None  # USD, for LLM proposers
+    time_limit: float | None = None  # seconds of profile + search; the pack step comes after
     llm_model: str = "claude-sonnet-4-6"
     gate: bool = True
 
@@ -268,6 +269,8 @@ def _check(origin: str, r: Recipe) -> None:
         raise UsageError(f"{origin}: 'build.budget' must be 0 or more, got {b.budget}")
     if not -1.0 < b.margin < 10.0:
         raise UsageError(f"{origin}: 'build.margin' must be between -1 and 10, got {b.margin}")
+    if b.time_limit is not None and not b.time_limit > 0:
+        raise UsageError(f"{origin}: 'build.time_limit' must be a number of seconds above 0, got {b.time_limit}")
 
 
 def _one_of(origin: str, key: str, value: str, allowed: tuple[str, ...]) -> None:

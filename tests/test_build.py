@@ -281,6 +281,35 @@ def test_max_cost_caps_spend(profiled, tmp_path):
     assert result.calls == 2 and result.cost == pytest.approx(1.0) and "cost cap" in result.stopped
 
 
+def test_a_time_limit_starts_no_call_that_would_end_past_it_and_a_later_run_continues(profiled, tmp_path):
+    ws = fresh_workspace(profiled, tmp_path / "ws")
+    card, _ = _one_card(ws, known_kernels(ws))
+    proposer = Counting([None] * 10)
+    settings = run.Settings(budget=10, target="cpu", deadline=25.0)
+    with LocalExecutor("cpu", compile_workers=1) as executor:
+        search = run.Search(ws, [card], proposer, executor, settings)
+        search.clock = lambda: 10.0 * len(proposer.asked)  # every call takes 10 s
+        result = search.run()
+    # after two calls it is t=20 and a third, at 10 s a call, would end at 30, past the deadline of 25
+    assert result.calls == 2 and result.stopped.startswith("time limit: 2 of 10 counting calls spent")
+    with LocalExecutor("cpu", compile_workers=1) as executor:
+        again = run.Search(ws, [card], proposer, executor, run.Settings(budget=4, target="cpu")).run()
+    assert again.new_calls == 2 and again.calls == 4 and again.stopped.startswith("budget spent")
+
+
+def test_build_time_limit_counts_the_profile_and_the_build_says_why_it_stopped(profiled, tmp_path):
+    """`--time-limit` covers profile and search: here the time is gone before the first call."""
+    ws = fresh_workspace(profiled, tmp_path / "ws")
+    result = cli(["build", "--budget", "5", "--target", "cpu", "--workspace", str(ws.root), "--no-gate",
+                  "--time-limit", "0.001"], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    text = result.stdout + result.stderr
+    assert "stopped: time limit: 0 of 5 templates calls spent" in text
+    assert "no pack written" in text
+    with Store(ws.store_path) as store:
+        assert store.calls() == []
+
+
 def test_templates_proposer_walks_defaults_then_neighbours(profiled):
     from forgepack.templates import on_device
 
@@ -344,6 +373,7 @@ def test_bad_input_is_one_line_and_nonzero(tmp_path):
         (["build", "--budget", "-1"], "--budget must be 0 or more"),
         (["build", "--proposer", "anthropic"], "export ANTHROPIC_API_KEY=..."),
         (["build", "--proposer", "gpt"], "build.proposer"),
+        (["build", "--time-limit", "0"], "'build.time_limit' must be a number of seconds above 0"),
     ):
         result = cli(args, cwd=tmp_path, env=env)
         assert result.returncode != 0, args

@@ -53,14 +53,14 @@ TARGET = 0.9  # issue 20: the kernels serve >= 90% of the calls of the ops the p
 
 
 def envelope_recipe(base: str, batch: str, seq_len: str, cache_max: int, new_tokens: int, target: str | None,
-                    budget: int | None, gate: bool) -> recipe.Recipe:
+                    budget: int | None, gate: bool, time_limit: float | None = None) -> recipe.Recipe:
     """`base` (a built-in name or .toml) served over the envelope: phase generate, these ranges, the default
     dynamic cache (generate() with a StaticCache is served by graph mode, not by the kernels' guards)."""
     r = recipe.resolve(base)
     workload = {"phase": "generate", "batch": recipe.parse_size(batch, "batch"),
                 "seq_len": recipe.parse_size(seq_len, "seq_len"), "cache_len": recipe.Range(0, cache_max),
                 "new_tokens": new_tokens, "static_cache": False}
-    build = {"budget": budget, "gate": gate, "proposer": "templates"}
+    build = {"budget": budget, "gate": gate, "proposer": "templates", "time_limit": time_limit}
     return r.replace(name=f"{r.name}-envelope", workload=workload, target={"device": target}, build=build)
 
 
@@ -227,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--target", default=None, help="cpu or cuda (default: the base recipe's)")
     p.add_argument("--budget", type=int, default=24)
     p.add_argument("--no-gate", action="store_true", help="build without the end-to-end gate")
+    p.add_argument("--time-limit", type=float, default=None,
+                   help="the build's build.time_limit: seconds of profile + search, then it packs what it has")
     p.add_argument("--pack", default=None, help="a built envelope pack's wheel (skips the build)")
     p.add_argument("--build-only", action="store_true",
                    help="build, copy the wheel to <out>/packs/ (for a later --pack run), and stop")
@@ -240,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     new = parse_pair(args.new)
     cache_max = args.cache_max or recipe.high(recipe.parse_size(args.seq_len, "seq_len")) + new[1]
     r = envelope_recipe(args.base, args.batch, args.seq_len, cache_max, args.capture_new, args.target, args.budget,
-                        not args.no_gate)
+                        not args.no_gate, args.time_limit)
     trace = make_trace(args.requests, [int(b) for b in args.batches.split(",")], parse_pair(args.prompt), new,
                        args.seed)
     info = benchlib.meta()

@@ -51,6 +51,9 @@ def build_command(
     old_llm_model: Annotated[str | None, typer.Option("--model", hidden=True, help="deprecated: --llm-model")] = None,
     explain: Annotated[bool, typer.Option("--explain", help="print why each call went where it did")] = False,
     max_cost: Annotated[float | None, typer.Option("--max-cost", help="cap on LLM spend, US dollars")] = None,
+    time_limit: Annotated[float | None, typer.Option(
+        "--time-limit", help="seconds for profile + search: no call starts that would end past it; the accepted "
+                             "kernels are packed, and a later build continues (recipe: build.time_limit)")] = None,
     margin: Annotated[float | None, typer.Option(
         help="speed-up a kernel must beat, e.g. 0.05 = 5%",
         show_default=f"the recipe's build.margin, else {DEFAULTS.margin}")] = None,
@@ -84,7 +87,7 @@ def build_command(
         console.print("[yellow]--model is deprecated (it names the Claude model): use --llm-model[/yellow]")
         llm_model = llm_model or old_llm_model
     build = {"budget": budget, "proposer": proposer, "max_cost": max_cost, "margin": margin, "llm_model": llm_model,
-             "gate": False if no_gate else None}
+             "gate": False if no_gate else None, "time_limit": time_limit}
     recipe = resolve(spec, target=target, task=task, dtype=dtype, batch=batch, seq_len=seq_len, build=build,
                      phase=phase)
     ws = workspace_for(recipe, workspace)
@@ -138,6 +141,15 @@ class BuildView(pipeline.Listener):
 
 
 # --- drawing -------------------------------------------------------------------------------------
+
+
+def _seconds(candidate: CandidateRecord) -> str:
+    """Where a candidate's time went: a long build's log says which stage to look at."""
+    parts = [(name, s) for name, s in (("compile", candidate.compile_s), ("verify", candidate.verify_s),
+                                       ("bench", candidate.bench_s)) if s]
+    if not parts:
+        return ""
+    return f" [dim]({sum(s for _, s in parts):.1f} s: {', '.join(f'{n} {s:.1f}' for n, s in parts)})[/dim]"
 
 
 def _pct(x: float) -> str:
@@ -199,7 +211,7 @@ class RichReporter(run.Reporter):
         self.rows[candidate.card_id] = summary
         verdict = "accepted" if candidate.accepted else candidate.category
         speed = f" {candidate.speedup:.3f}x" if candidate.speedup else ""
-        self._print(f"  {summary.op}: #{candidate.id} {candidate.proposer} {verdict}{speed}")
+        self._print(f"  {summary.op}: #{candidate.id} {candidate.proposer} {verdict}{speed}{_seconds(candidate)}")
         self._refresh()
 
     def note(self, text: str) -> None:

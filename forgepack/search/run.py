@@ -50,6 +50,7 @@ class Settings:
     arch: str | None = None
     strategy: str = "allocator"  # or "uniform" (the benchmark's baseline)
     max_cost: float | None = None  # US dollars over all calls in the store
+    deadline: float | None = None  # `time.monotonic()` past which no new call starts (build.time_limit)
     margin: float = 0.05
     allocator: Config | None = None
     tree: TreeConfig = field(default_factory=TreeConfig)
@@ -191,6 +192,8 @@ class Search:
         self.lag = 1  # candidates in flight when a call is decided; fixed in `run`
         self.new_calls = 0
         self.evaluated = 0
+        self.clock = time.monotonic  # the deadline's clock (tests advance their own)
+        self.started = self.clock()
         self._covers = allocator.coverage(list(self.cards.values()))  # the cards never change
 
     # --- state -----------------------------------------------------------------------------------
@@ -261,6 +264,13 @@ class Search:
         spent = self.store.calls_spent(self.proposer.name)
         if spent >= self.settings.budget:
             return f"budget spent: {spent} of {self.settings.budget} {self.proposer.name} calls"
+        if self.settings.deadline is not None:
+            now = self.clock()
+            # the next call is expected to take this run's average so far: it must end before the deadline
+            per_call = (now - self.started) / self.new_calls if self.new_calls else 0.0
+            if now + per_call > self.settings.deadline:
+                return (f"time limit: {spent} of {self.settings.budget} {self.proposer.name} calls spent when the "
+                        f"next call would end past it (a later build with more time continues)")
         if self.settings.max_cost is not None and self.proposer.paid:
             _, _, dollars = self.store.spend()
             paid_calls = max(1, self.store.calls_spent(self.proposer.name))
@@ -273,6 +283,7 @@ class Search:
 
     def run(self) -> SearchResult:
         started = time.monotonic()
+        self.started = self.clock()
         # one more in flight per extra evaluator: when results finish out of order, the evaluator that
         # finished early still has a candidate to take while the search waits for the oldest
         self.lag = max(1, int(self.executor.slots)) + max(0, int(getattr(self.executor, "evaluators", 1)) - 1)
