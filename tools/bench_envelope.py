@@ -70,7 +70,8 @@ def build(r: recipe.Recipe, root: Path) -> tuple[Path, dict[str, Any]]:
     path.write_text(tomlwriter.dumps(recipe.to_dict(r)))
     cmd = [sys.executable, "-m", "forgepack", "build", str(path), "--workspace", str(root / "ws"), "--out",
            str(root / "packs"), "--json"]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1",
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     start = time.perf_counter()
     # The build's progress passes through to our stderr: a build cut by a device call's limit still
     # says how far it got (session 10 lost a 400 s call to a silent one).

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
@@ -68,7 +69,8 @@ def build_command(
     workspace: Annotated[str | None, typer.Option(help="workspace directory (default .forgepack/<slug>)")] = None,
     strategy: Annotated[str, typer.Option(hidden=True, help="allocator or uniform (benchmarks)")] = "allocator",
     out_dir: Annotated[str, typer.Option("--out", help="where the pack wheel goes")] = "packs",
-    as_json: Annotated[bool, typer.Option("--json", help="print the search result as JSON")] = False,
+    as_json: Annotated[bool, typer.Option(
+        "--json", help="print the search result as JSON on stdout (progress stays on stderr)")] = False,
     executor_kind: Annotated[str, typer.Option(
         "--executor", help=f"where candidates compile and run: {' or '.join(pipeline.EXECUTORS)} "
                            "(this host, a Ray cluster)",
@@ -91,10 +93,12 @@ def build_command(
     recipe = resolve(spec, target=target, task=task, dtype=dtype, batch=batch, seq_len=seq_len, build=build,
                      phase=phase)
     ws = workspace_for(recipe, workspace)
-    view = BuildView(recipe, explain=explain, quiet=as_json)
+    # --json: stdout holds the JSON alone; the progress and the tables go to stderr, so a long build's
+    # log still says how far it got
+    view = BuildView(recipe, explain=explain, tables=console if as_json else out)
     built = pipeline.build(recipe, ws, listener=view, strategy=strategy, executor=executor_kind,
                            executor_options={"address": ray_address} if ray_address else None,
-                           out_dir=Path(out_dir), console=None if as_json else console)
+                           out_dir=Path(out_dir), console=console)
     packed = built.pack
     if as_json:
         doc = {**run.result_json(built.search), "workspace": str(ws.root),
@@ -120,24 +124,23 @@ def last_lines(wheel: Path, package: str, gate: str) -> str:
 class BuildView(pipeline.Listener):
     """The build as the CLI draws it: a profile bar, the search's live table, the pack's steps."""
 
-    def __init__(self, recipe: Recipe, explain: bool, quiet: bool):
-        self.recipe, self.explain, self.quiet = recipe, explain, quiet
+    def __init__(self, recipe: Recipe, explain: bool, tables: Console):
+        self.recipe, self.explain, self.tables = recipe, explain, tables
 
     def profiling(self):
-        return progress(f"profiling {self.recipe.name}", enabled=not self.quiet)
+        return progress(f"profiling {self.recipe.name}")
 
     @contextmanager
     def searching(self, cards):
-        with RichReporter(cards, explain=self.explain, quiet=self.quiet) as reporter:
+        with RichReporter(cards, explain=self.explain, tables=self.tables) as reporter:
             yield reporter
 
     def searched(self, result: run.SearchResult, accepted: Path) -> None:
-        if not self.quiet:
-            show_result(result, self.recipe)
-            console.print(f"accepted kernels: {accepted}")
+        show_result(result, self.recipe, self.tables)
+        console.print(f"accepted kernels: {accepted}")
 
     def packing(self):
-        return steps("pack", live=not self.quiet)
+        return steps("pack")
 
 
 # --- drawing -------------------------------------------------------------------------------------
@@ -163,25 +166,22 @@ def _sig(text: str, width: int = 44) -> str:
 class RichReporter(run.Reporter):
     """The plan as a table, then a live per-card table (calls, best speed-up, verdicts) while searching."""
 
-    def __init__(self, cards, explain: bool = False, quiet: bool = False):
+    def __init__(self, cards, explain: bool = False, tables: Console = out):
         self.cards = {c.id: c for c in cards}
         self.explain = explain
-        self.quiet = quiet
+        self.tables = tables  # the plan: stdout, a result worth keeping (stderr under --json)
         self.rows: dict[str, run.CardSummary] = {}
-        self.live = Live(console=console, transient=True, auto_refresh=False) if not quiet else None
+        self.live = Live(console=console, transient=True, auto_refresh=False)
 
     def __enter__(self) -> RichReporter:
-        if self.live:
-            self.live.start()
+        self.live.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self.live:
-            self.live.stop()
+        self.live.stop()
 
     def _print(self, *things) -> None:
-        if not self.quiet:
-            (self.live.console if self.live else console).print(*things)
+        self.live.console.print(*things)
 
     def plan(self, rows: list[PlanRow], remaining: int) -> None:
         table = Table(title=f"plan: {remaining} calls to spend")
@@ -197,8 +197,7 @@ class RichReporter(run.Reporter):
         skipped = len(rows) - len(shown)
         if skipped:
             table.caption = f"{skipped} more cards get no calls (views, no template, no share, or low gain)"
-        if not self.quiet:
-            out.print(table)  # a result worth keeping: stdout, at full width
+        self.tables.print(table)
 
     def decided(self, call: CallRecord, decision: Decision) -> None:
         if self.explain:
@@ -218,8 +217,6 @@ class RichReporter(run.Reporter):
         self._print(text)
 
     def _refresh(self) -> None:
-        if not self.live:
-            return
         table = Table(title="search")
         for name in ("card", "share %", "calls", "best", "verdicts"):
             table.add_column(name)
@@ -230,7 +227,7 @@ class RichReporter(run.Reporter):
         self.live.update(table, refresh=True)
 
 
-def show_result(result: run.SearchResult, recipe: Recipe) -> None:
+def show_result(result: run.SearchResult, recipe: Recipe, tables: Console = out) -> None:
     searched = [c for c in result.cards if c.calls]
     table = Table(title=f"{recipe.name}: search results ({result.calls} {recipe.build.proposer} calls)")
     for name, justify in (("card", "left"), ("signature", "left"), ("share %", "right"), ("calls", "right"),
@@ -243,12 +240,12 @@ def show_result(result: run.SearchResult, recipe: Recipe) -> None:
         roof = f"{c.roofline_pct:.0f}" if c.roofline_pct else "-"
         table.add_row(c.op, _sig(c.signature), _pct(c.share), str(c.calls), counts, speed, roof,
                       f"{100 * c.gain:.2f}" if c.best_speedup else "-")
-    out.print(table)
+    tables.print(table)
     tokens_in, tokens_out = result.tokens
-    out.print(
+    tables.print(
         f"accepted: {len(result.accepted)} kernels   estimated end-to-end gain: {100 * result.estimated_gain:.2f}% "
         f"of operator time   calls: {result.new_calls} this run, {result.calls} in all   "
         f"tokens: {tokens_in} in / {tokens_out} out   cost: ${result.cost:.2f}   "
         f"wall: {result.wall_s:.0f} s"
     )
-    out.print(f"stopped: {result.stopped}")
+    tables.print(f"stopped: {result.stopped}")
