@@ -25,8 +25,8 @@
 #   envelope=a+b (issue 20: per base recipe, tools/bench_envelope.py builds the envelope pack, keeps its
 #          wheel under this lane's packs/, then runs the mixed generate() trace on it. Knobs: ENVELOPE_ARGS
 #          (the envelope, default --batch 1-8 --seq-len 16-2048), ENVELOPE_BUDGET (48), ENVELOPE_LIMIT (the
-#          build's own --time-limit for profile + search, 300 s: it then packs what it has), ENVELOPE_BUILD_TIME
-#          (the stage's limit, 420), ENVELOPE_TRACE_ARGS (--requests 12), ENVELOPE_TIME (240))
+#          build's own --time-limit for profile + search, 240 s: it then packs what it has), ENVELOPE_BUILD_TIME
+#          (the stage's limit, 420), ENVELOPE_TRACE_ARGS (--requests 8), ENVELOPE_TIME (240))
 #   tests=a+b: the GPU tests of tests/test_a.py and tests/test_b.py only (per lane).
 #   search=a+b: the allocator-vs-uniform benchmark on these recipes only (per lane).
 #   packs: builds a pack per recipe and times eager / pack / graphs / pack+graphs / torch.compile /
@@ -120,10 +120,10 @@ run_stage() {
                local b whl env=${ENVELOPE_ARGS:---batch 1-8 --seq-len 16-2048}
                for b in $(echo "${1#envelope=}" | tr + ' '); do
                  stage "envelope-build-$b" "${ENVELOPE_BUILD_TIME:-420}" python3 tools/bench_envelope.py --base "$b" \
-                   $env --budget "${ENVELOPE_BUDGET:-48}" --time-limit "${ENVELOPE_LIMIT:-300}" --no-gate --build-only
+                   $env --budget "${ENVELOPE_BUDGET:-48}" --time-limit "${ENVELOPE_LIMIT:-240}" --no-gate --build-only
                  whl=$(ls "$OUT/packs/forgepack_pack_${b//[-.]/_}_envelope"-*.whl 2>/dev/null | head -1)
                  [ -n "$whl" ] && stage "envelope-trace-$b" "${ENVELOPE_TIME:-240}" python3 tools/bench_envelope.py \
-                   --base "$b" $env --pack "$whl" ${ENVELOPE_TRACE_ARGS:---requests 12}
+                   --base "$b" $env --pack "$whl" ${ENVELOPE_TRACE_ARGS:---requests 8}
                done ;;
     graphs)    stage graphs "${GRAPHS_TIME:-300}" python3 tools/bench_graphs.py ;;
     fusion)    stage fusion "${FUSION_TIME:-300}" python3 tools/bench_fusion.py --budget-s "${FUSION_BUDGET_S:-230}" ;;
