@@ -270,30 +270,32 @@ def test_feedback_and_lineage_reach_the_next_proposal(profiled, tmp_path):
         assert store.candidates()[0].category == "compile"
 
 
-def test_max_cost_caps_spend(profiled, tmp_path):
+def _stopping_search(profiled, tmp_path, settings, clock=None):
+    """A one-card search whose proposer answers nothing usable (each call is spent at once, $0.50): for
+    the stop conditions. `clock`: the search's clock, given the proposer. Returns (ws, card, result)."""
     ws = fresh_workspace(profiled, tmp_path / "ws")
     card, _ = _one_card(ws, known_kernels(ws))
     proposer = Counting([None] * 10)
-    settings = run.Settings(budget=10, target="cpu", max_cost=1.2)
     with LocalExecutor("cpu", compile_workers=1) as executor:
-        result = run.Search(ws, [card], proposer, executor, settings).run()
+        search = run.Search(ws, [card], proposer, executor, settings)
+        if clock is not None:
+            search.clock = lambda: clock(proposer)
+        return ws, card, search.run()
+
+
+def test_max_cost_caps_spend(profiled, tmp_path):
+    _, _, result = _stopping_search(profiled, tmp_path, run.Settings(budget=10, target="cpu", max_cost=1.2))
     # $0.50 per call: a third call would pass $1.20
     assert result.calls == 2 and result.cost == pytest.approx(1.0) and "cost cap" in result.stopped
 
 
 def test_a_time_limit_starts_no_call_that_would_end_past_it_and_a_later_run_continues(profiled, tmp_path):
-    ws = fresh_workspace(profiled, tmp_path / "ws")
-    card, _ = _one_card(ws, known_kernels(ws))
-    proposer = Counting([None] * 10)
     settings = run.Settings(budget=10, target="cpu", deadline=25.0)
-    with LocalExecutor("cpu", compile_workers=1) as executor:
-        search = run.Search(ws, [card], proposer, executor, settings)
-        search.clock = lambda: 10.0 * len(proposer.asked)  # every call takes 10 s
-        result = search.run()
-    # after two calls it is t=20 and a third, at 10 s a call, would end at 30, past the deadline of 25
+    ws, card, result = _stopping_search(profiled, tmp_path, settings, clock=lambda p: 10.0 * len(p.asked))
+    # every call takes 10 s: after two it is t=20, and a third would end at 30, past the deadline of 25
     assert result.calls == 2 and result.stopped.startswith("time limit: 2 of 10 counting calls spent")
     with LocalExecutor("cpu", compile_workers=1) as executor:
-        again = run.Search(ws, [card], proposer, executor, run.Settings(budget=4, target="cpu")).run()
+        again = run.Search(ws, [card], Counting([None] * 10), executor, run.Settings(budget=4, target="cpu")).run()
     assert again.new_calls == 2 and again.calls == 4 and again.stopped.startswith("budget spent")
 
 
