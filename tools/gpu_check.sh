@@ -26,7 +26,8 @@
 #          wheel under this lane's packs/, then runs the mixed generate() trace on it. Knobs: ENVELOPE_ARGS
 #          (the envelope, default --batch 1-8 --seq-len 16-2048), ENVELOPE_BUDGET (48), ENVELOPE_LIMIT (the
 #          build's own --time-limit for profile + search, 240 s: it then packs what it has), ENVELOPE_BUILD_TIME
-#          (the stage's limit, 420), ENVELOPE_TRACE_ARGS (--requests 8), ENVELOPE_TIME (240))
+#          (the stage's limit, 420), ENVELOPE_MARGIN (the build's accept margin; -0.99 keeps every verified
+#          kernel, for issue 20's served-share target), ENVELOPE_TRACE_ARGS (--requests 8), ENVELOPE_TIME (240))
 #   tests=a+b: the GPU tests of tests/test_a.py and tests/test_b.py only (per lane).
 #   search=a+b: the allocator-vs-uniform benchmark on these recipes only (per lane).
 #   packs: builds a pack per recipe and times eager / pack / graphs / pack+graphs / torch.compile /
@@ -120,7 +121,8 @@ run_stage() {
                local b whl env=${ENVELOPE_ARGS:---batch 1-8 --seq-len 16-2048}
                for b in $(echo "${1#envelope=}" | tr + ' '); do
                  stage "envelope-build-$b" "${ENVELOPE_BUILD_TIME:-420}" python3 tools/bench_envelope.py --base "$b" \
-                   $env --budget "${ENVELOPE_BUDGET:-48}" --time-limit "${ENVELOPE_LIMIT:-240}" --no-gate --build-only
+                   $env --budget "${ENVELOPE_BUDGET:-48}" --time-limit "${ENVELOPE_LIMIT:-240}" \
+                   ${ENVELOPE_MARGIN:+--margin "$ENVELOPE_MARGIN"} --no-gate --build-only
                  whl=$(ls "$OUT/packs/forgepack_pack_${b//[-.]/_}_envelope"-*.whl 2>/dev/null | head -1)
                  [ -n "$whl" ] && stage "envelope-trace-$b" "${ENVELOPE_TIME:-240}" python3 tools/bench_envelope.py \
                    --base "$b" $env --pack "$whl" ${ENVELOPE_TRACE_ARGS:---requests 8}
