@@ -31,6 +31,19 @@ def test_served_counts_every_kernel_of_an_op_once_against_its_calls(monkeypatch)
     assert bench_envelope.share(bench_envelope.served(before, after)) == pytest.approx(0.8)
 
 
+def test_the_envelope_recipe_carries_the_build_knobs(monkeypatch):
+    """A device call's build: a time limit, and for the served-share measurement every verified kernel
+    kept (margin -0.99); left out, the base recipe's margin stands."""
+    monkeypatch.syspath_prepend(str(TOOLS))
+    import bench_envelope
+
+    r = bench_envelope.envelope_recipe("tiny-llama", "1-8", "16-2048", 2304, 8, "cpu", 48, False, 240.0, -0.99)
+    assert (r.build.budget, r.build.gate, r.build.time_limit, r.build.margin) == (48, False, 240.0, -0.99)
+    assert r.workload.phase == "generate" and (r.workload.batch.min, r.workload.batch.max) == (1, 8)
+    plain = bench_envelope.envelope_recipe("tiny-llama", "1-8", "16-2048", 2304, 8, "cpu", 48, True)
+    assert plain.build.time_limit is None and plain.build.margin == 0.05
+
+
 @pytest.mark.slow
 @pytest.mark.long
 def test_cpu_mode_builds_an_envelope_pack_and_counts_what_it_serves(tmp_path):
