@@ -46,7 +46,7 @@ from typing import Any
 import torch
 
 from .graphbackends import Captured, CudaBackend, make_backend
-from .graphkeys import first_line
+from .graphkeys import first_line, tensor_bytes
 from .transformers_hooks import decode_kwargs_of, mask_once
 
 DEFAULT_CHECK_EVERY = 16  # decode steps between the host syncs that look for an early stop
@@ -223,7 +223,7 @@ class _State:
         return alive.index(0) + 1 if 0 in alive else steps
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in vars(self).values() if isinstance(t, torch.Tensor))
+        return tensor_bytes(t for t in vars(self).values() if isinstance(t, torch.Tensor))
 
 
 def state_bytes(rows: int, vocab: int, width: int) -> int:

@@ -635,8 +635,7 @@ def cache_bytes(cache: Any) -> int:
     layers = getattr(cache, "layers", ())
     if not layers or not all(isinstance(getattr(layer, "keys", None), torch.Tensor) for layer in layers):
         return 0
-    tensors = [t for layer in layers for t in vars(layer).values() if isinstance(t, torch.Tensor)]
-    return sum(t.numel() * t.element_size() for t in tensors)
+    return graphs.tensor_bytes(t for layer in layers for t in vars(layer).values() if isinstance(t, torch.Tensor))
 
 
 def expected_cache_bytes(model: Any, cache: Any, rows: int) -> int:
