@@ -89,7 +89,7 @@ def draw_edge(meta: TensorMeta, gen: torch.Generator, device: str | torch.device
 
 
 def fresh_inputs(card: Card, seed: int, device: str | torch.device, edge: bool = False) -> list:
-    gen = torch.Generator().manual_seed(seed)
+    gen = fresh.generator(seed, device)
     return [None if m is None else fresh.draw(record(m), gen, device, edge) for m in card.tensor_inputs()]
 
 
@@ -119,7 +119,7 @@ def adversarial(meta: TensorMeta, kind: str, gen: torch.Generator, device: str |
         return t
     stats = meta.stats or ValueStats()
     std = stats.std if stats.std > 0 else max(abs(stats.mean), 1.0)
-    unit = torch.randn(n, generator=gen, dtype=torch.float64)
+    unit = torch.randn(n, generator=gen, dtype=torch.float64, device=gen.device)
     if stats.min >= 0:
         unit = unit.abs()
     if kind == "large":
@@ -127,8 +127,8 @@ def adversarial(meta: TensorMeta, kind: str, gen: torch.Generator, device: str |
     elif kind == "shifted":  # a large common offset over the usual spread: naive variance cancels
         values = unit * std + _SHIFT[meta.dtype] * std * (1 if stats.mean >= 0 else -1)
     elif kind == "denormal":  # below the smallest normal number, a few normal ones among them
-        values = unit * _TINY[meta.dtype] * torch.rand(n, generator=gen, dtype=torch.float64)
-        values[torch.rand(n, generator=gen) < 0.05] *= 64
+        values = unit * _TINY[meta.dtype] * torch.rand(n, generator=gen, dtype=torch.float64, device=gen.device)
+        values[torch.rand(n, generator=gen, device=gen.device) < 0.05] *= 64
     elif kind == "nonfinite":
         values = _with_nonfinite_runs(unit * std + stats.mean, gen)
     elif kind == "structured":
@@ -144,10 +144,10 @@ def _with_nonfinite_runs(values: torch.Tensor, gen: torch.Generator) -> torch.Te
     n = values.numel()
     specials = (math.nan, math.inf, -math.inf)
     for k in range(max(3, n // 512)):
-        length = int(torch.randint(1, max(2, min(64, n // 4)), (1,), generator=gen))
-        start = int(torch.randint(0, max(1, n - length), (1,), generator=gen))
+        length = int(torch.randint(1, max(2, min(64, n // 4)), (1,), generator=gen, device=gen.device))
+        start = int(torch.randint(0, max(1, n - length), (1,), generator=gen, device=gen.device))
         if k % 4 == 3:  # a mixed run
-            picks = torch.randint(0, 3, (length,), generator=gen).tolist()
+            picks = torch.randint(0, 3, (length,), generator=gen, device=gen.device).tolist()
             values[start : start + length] = torch.tensor([specials[p] for p in picks], dtype=values.dtype)
         else:
             values[start : start + length] = specials[k % 3]
@@ -156,16 +156,17 @@ def _with_nonfinite_runs(values: torch.Tensor, gen: torch.Generator) -> torch.Te
 
 def _structured(n: int, std: float, mean: float, gen: torch.Generator, positive: bool) -> torch.Tensor:
     """One of: all equal, a ramp, sorted values, alternating signs, a short period repeated."""
-    pick = int(torch.randint(0, 5, (1,), generator=gen))
-    unit = torch.randn(n, generator=gen, dtype=torch.float64)
+    pick = int(torch.randint(0, 5, (1,), generator=gen, device=gen.device))
+    unit = torch.randn(n, generator=gen, dtype=torch.float64, device=gen.device)
     if pick == 0:
-        values = torch.full((n,), float(unit[0]) * std + mean, dtype=torch.float64)
+        values = torch.full((n,), float(unit[0]) * std + mean, dtype=torch.float64, device=unit.device)
     elif pick == 1:
-        values = torch.linspace(-2 * std, 2 * std, n, dtype=torch.float64) + mean
+        values = torch.linspace(-2 * std, 2 * std, n, dtype=torch.float64, device=unit.device) + mean
     elif pick == 2:
         values = (unit * std + mean).sort().values
     elif pick == 3:
-        values = unit.abs() * std * torch.tensor([1.0, -1.0], dtype=torch.float64).repeat(n // 2 + 1)[:n]
+        signs = torch.tensor([1.0, -1.0], dtype=torch.float64, device=unit.device).repeat(n // 2 + 1)[:n]
+        values = unit.abs() * std * signs
     else:
         values = (unit[:7] * std + mean).repeat(n // 7 + 1)[:n]
     return values.abs() if positive else values
@@ -178,7 +179,7 @@ def adversarial_inputs(card: Card, seed: int, device: str | torch.device) -> lis
         return []
     sets = []
     for k, kind in enumerate(ADVERSARIAL_KINDS):
-        gen = torch.Generator().manual_seed(seed + k)
+        gen = fresh.generator(seed + k, device)
         sets.append((f"{kind} input (seed {seed + k})",
                      [None if m is None else adversarial(m, kind, gen, device) for m in metas]))
     return sets

@@ -325,3 +325,17 @@ def test_cuda_kernels_build_as_intended():
             assert findings, f"{kernel} should be rejected by the static checks"
         else:
             assert not findings, f"{kernel} must reach the worker, but: {[str(f) for f in findings]}"
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=gpu)])
+def test_draws_are_made_on_the_device_and_reproducible_per_seed(device):
+    """Fresh and adversarial inputs are drawn where they run (on CUDA, drawing a large input on the
+    host took seconds per call), the same per seed, with the captured range kept."""
+    card, _, _ = card_from_call(torch.ops.aten.rsqrt.default, (torch.rand(8, 2048) + 0.5,))
+    one, two = (samples_mod.fresh_inputs(card, 3, device)[0] for _ in range(2))
+    assert one.device.type == device and torch.equal(one, two)
+    assert bool((one >= 0).all())  # nothing negative was captured: the sign is kept
+    for label, (x,) in samples_mod.adversarial_inputs(card, 5, device):
+        assert x.device.type == device and x.shape == one.shape, label
+    edge = samples_mod.fresh_inputs(card, 3, device, edge=True)[0]
+    assert int(torch.isnan(edge).sum()) == 1 and int(torch.isinf(edge).sum()) == 2

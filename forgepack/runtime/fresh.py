@@ -27,6 +27,14 @@ def span(shape: tuple[int, ...], stride: tuple[int, ...]) -> int:
     return 1 + sum((n - 1) * abs(s) for n, s in zip(shape, stride, strict=True))
 
 
+def generator(seed: int, device: str | torch.device) -> torch.Generator:
+    """The seeded generator draws use: on the device itself for CUDA, where drawing a large input on the
+    host (float64, one thread) and copying it over took seconds per call and dominated an envelope
+    profile's timing; on the host otherwise. Values are reproducible per seed and device type."""
+    device = torch.device(device)
+    return torch.Generator(device=device if device.type == "cuda" else "cpu").manual_seed(seed)
+
+
 def materialize(meta: TensorRecord, values: torch.Tensor, device: str | torch.device) -> torch.Tensor:
     """A tensor with meta's exact layout whose storage window holds `values` (its span long)."""
     dtype = getattr(torch, meta.dtype)
@@ -41,17 +49,18 @@ def draw_values(meta: TensorRecord, gen: torch.Generator, edge: bool = False) ->
     """The storage window's values (1-D; float64, int64 or bool) for a draw like the recorded one."""
     n, stats = span(meta.shape, meta.stride), meta.stats
     if meta.dtype == "bool":
-        return torch.rand(n, generator=gen) < 0.5
+        return torch.rand(n, generator=gen, device=gen.device) < 0.5
     if meta.dtype not in FLOAT_DTYPES:
         lo, hi = int(stats.get("min", -1)), int(stats.get("max", 1))
-        return torch.randint(lo, hi + 1, (n,), generator=gen, dtype=torch.int64)
+        return torch.randint(lo, hi + 1, (n,), generator=gen, dtype=torch.int64, device=gen.device)
     mean = stats.get("mean", 0.0)
     std = stats.get("std", 1.0) or max(abs(mean), 1.0)  # a constant input: its own magnitude
-    values = torch.randn(n, generator=gen, dtype=torch.float64) * std + mean
+    values = torch.randn(n, generator=gen, dtype=torch.float64, device=gen.device) * std + mean
     if stats.get("min", -1.0) >= 0:  # e.g. variances, probabilities, rsqrt inputs: keep the sign
         values = values.abs()
     if edge and n >= 8:
-        for i, special in zip(torch.randint(0, n, (3,), generator=gen).tolist(), _EDGE_VALUES, strict=True):
+        spots = torch.randint(0, n, (3,), generator=gen, device=gen.device).tolist()
+        for i, special in zip(spots, _EDGE_VALUES, strict=True):
             values[i] = special
     return values
 

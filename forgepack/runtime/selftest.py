@@ -19,7 +19,7 @@ import torch
 
 from . import compare as judge
 from . import stockcall
-from .fresh import draw
+from .fresh import draw, generator
 from .packinfo import OutputTolerance, VariantInfo
 from .tolerances import Tolerance, is_statistic
 
@@ -28,7 +28,7 @@ FRESH_INPUTS = 3
 
 def inputs(variant: VariantInfo, seed: int, device: torch.device, edge: bool) -> list[torch.Tensor | None]:
     """Tensor inputs in the kernel ABI's order (schema order, lists flattened, None kept)."""
-    gen = torch.Generator().manual_seed(seed)
+    gen = generator(seed, device)
     out: list[torch.Tensor | None] = []
     for a in variant.args:
         if a.kind == "tensor":
