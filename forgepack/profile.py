@@ -107,8 +107,13 @@ def _inputs_for(card: Card, sets: list, device: torch.device) -> list:
     return samples.fresh_inputs(card, seed=0, device=device)
 
 
-def measure_card(card: Card, sets: list, device: torch.device, facts: devices.DeviceFacts) -> Profile:
-    """Time one variant in isolation and place it on the roofline; a call that fails has no time."""
+def measure_card(card: Card, sets: list, device: torch.device, facts: devices.DeviceFacts,
+                 classify_it: bool = True) -> Profile:
+    """Time one variant in isolation and place it on the roofline; a call that fails has no time.
+
+    The kernels a call launches (its baseline class) come from a profiler session, which costs more
+    than the timing itself on a GPU: a view by schema launches none and skips it, and so does a family
+    member other than the one whose class the family takes (`classify_it=False`)."""
     roof = roofline.roofline(card, facts)
     reps = 20 if device.type == "cuda" else 7
     view = is_view_op(card)
@@ -117,7 +122,8 @@ def measure_card(card: Card, sets: list, device: torch.device, facts: devices.De
         fn = _call(card, inputs, device)
         view = view or aliases_input(fn, inputs)
         eager_us = timing.median(timing.time_us(fn, device, reps=reps, warmup=2))
-        kernels = devices.kernel_names(fn) if device.type == "cuda" else []
+        named = device.type == "cuda" and classify_it and not view
+        kernels = devices.kernel_names(fn) if named else []
     except (RuntimeError, IndexError, ValueError, TypeError):
         eager_us, kernels = 0.0, []
     baseline = classify(card.op_name, kernels, device.type, view)
@@ -149,7 +155,9 @@ def measure_family(card: Card, sample_map: dict[str, list], device: torch.device
     by_bytes = sorted(range(len(members)), key=lambda i: roofline.roofline(members[i], facts).bytes)
     step = max(1, -(-len(members) // MAX_TIMED_POINTS))
     timed_idx = set(by_bytes[::step]) | {by_bytes[-1]}
-    timed = {i: measure_card(members[i], sample_map.get(members[i].id, []), device, facts) for i in timed_idx}
+    rep_idx = max(sorted(timed_idx), key=lambda i: family.point_calls[i])  # the point whose class the family takes
+    timed = {i: measure_card(members[i], sample_map.get(members[i].id, []), device, facts, classify_it=i == rep_idx)
+             for i in timed_idx}
     profiles = [timed.get(i) or _scaled(members[i], timed, facts) for i in range(len(members))]
     calls = sum(family.point_calls) or 1
     totals = [n * p.eager_us for n, p in zip(family.point_calls, profiles, strict=True)]
@@ -158,7 +166,7 @@ def measure_family(card: Card, sample_map: dict[str, list], device: torch.device
     def per_call(attr: str) -> float:
         return sum(n * getattr(p, attr) for n, p in zip(family.point_calls, profiles, strict=True)) / calls
 
-    rep = max(timed.items(), key=lambda kv: family.point_calls[kv[0]])[1]
+    rep = timed[rep_idx]
     roof_us = per_call("roofline_us")
     profile = Profile(eager_us=total / calls, total_us=total, bytes=round(per_call("bytes")),
                       flops=round(per_call("flops")), roofline_us=roof_us,
