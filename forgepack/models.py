@@ -400,6 +400,12 @@ def _download(repo_id: str, revision: str | None, filename: str | None = None) -
         ) from None
 
 
+def with_inputs(recipe: Recipe, model: torch.nn.Module) -> LoadedModel:
+    """`model` (already loaded, e.g. by `load` for another shape) with the inputs of `recipe`'s concrete
+    workload: one model timed at many shapes without loading it again."""
+    return _with_inputs(recipe, model, target_device(recipe), getattr(torch, recipe.workload.dtype))
+
+
 def _with_inputs(recipe: Recipe, model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> LoadedModel:
     w = recipe.workload
     gen = torch.Generator().manual_seed(1234)

@@ -27,7 +27,13 @@
 #          (the envelope, default --batch 1-8 --seq-len 16-2048), ENVELOPE_BUDGET (48), ENVELOPE_LIMIT (the
 #          build's own --time-limit for profile + search, 240 s: it then packs what it has), ENVELOPE_BUILD_TIME
 #          (the stage's limit, 420), ENVELOPE_MARGIN (the build's accept margin; -0.99 keeps every verified
-#          kernel, for issue 20's served-share target), ENVELOPE_TRACE_ARGS (--requests 8), ENVELOPE_TIME (240))
+#          kernel, for issue 20's served-share target), ENVELOPE_GATE (1: build with the end-to-end gate, as a user
+#          would; default off), ENVELOPE_TRACE (0: build only), ENVELOPE_TRACE_ARGS (--requests 8), ENVELOPE_TIME (240))
+#   shapes=a+b (issue 20's speed targets: tools/bench_shapes.py times stock, the envelope pack (an envelope=a stage's
+#          wheel, or SHAPES_PACK) and the exact pack (a build=a stage's, if run) side by side at the base shape and
+#          over a grid of prefill and decode shapes. Knobs: SHAPES_TIME (240), SHAPES_ARGS. build=a takes BUILD_LIMIT
+#          (its --time-limit). One call:  BUILD_LIMIT=150 ENVELOPE_GATE=1 ENVELOPE_TRACE=0 bash tools/gpu_check.sh
+#          build=llama-1b-decode envelope=llama-1b-decode shapes=llama-1b-decode)
 #   tests=a+b: the GPU tests of tests/test_a.py and tests/test_b.py only (per lane).
 #   search=a+b: the allocator-vs-uniform benchmark on these recipes only (per lane).
 #   packs: builds a pack per recipe and times eager / pack / graphs / pack+graphs / torch.compile /
@@ -108,7 +114,8 @@ run_stage() {
     build=*)   # build=a+b: a pack per recipe (PACK_BUDGET calls), wheel and workspace under this lane's home
                local r; for r in $(echo "${1#build=}" | tr + ' '); do
                  stage "build-$r" "${BUILD_TIME:-240}" python3 -m forgepack build "$r" --target cuda \
-                   --budget "${PACK_BUDGET:-24}" --workspace "$FORGEPACK_HOME/ws/$r" --out "$packs_dir/$r"
+                   --budget "${PACK_BUDGET:-24}" ${BUILD_LIMIT:+--time-limit "$BUILD_LIMIT"} \
+                   --workspace "$FORGEPACK_HOME/ws/$r" --out "$packs_dir/$r"
                done ;;
     serve|serve=*) # serve=a+b: tools/bench_serve.py per recipe, with the pack build=a built when there is one
                local m wheel ms=${1#serve}; ms=${ms#=}
@@ -122,10 +129,20 @@ run_stage() {
                for b in $(echo "${1#envelope=}" | tr + ' '); do
                  stage "envelope-build-$b" "${ENVELOPE_BUILD_TIME:-420}" python3 tools/bench_envelope.py --base "$b" \
                    $env --budget "${ENVELOPE_BUDGET:-48}" --time-limit "${ENVELOPE_LIMIT:-240}" \
-                   ${ENVELOPE_MARGIN:+--margin "$ENVELOPE_MARGIN"} --no-gate --build-only
+                   ${ENVELOPE_MARGIN:+--margin "$ENVELOPE_MARGIN"} $([ "${ENVELOPE_GATE:-0}" = 1 ] || echo --no-gate) --build-only
                  whl=$(ls "$OUT/packs/forgepack_pack_${b//[-.]/_}_envelope"-*.whl 2>/dev/null | head -1)
-                 [ -n "$whl" ] && stage "envelope-trace-$b" "${ENVELOPE_TIME:-240}" python3 tools/bench_envelope.py \
-                   --base "$b" $env --pack "$whl" ${ENVELOPE_TRACE_ARGS:---requests 8}
+                 [ -n "$whl" ] && [ "${ENVELOPE_TRACE:-1}" = 1 ] && stage "envelope-trace-$b" "${ENVELOPE_TIME:-240}" \
+                   python3 tools/bench_envelope.py --base "$b" $env --pack "$whl" ${ENVELOPE_TRACE_ARGS:---requests 8}
+               done ;;
+    shapes=*)  # issue 20's speed targets, per recipe: tools/bench_shapes.py with the envelope wheel under $OUT/packs (an
+               # envelope=b stage's; SHAPES_PACK: a carried one) and the exact pack a build=b stage made, if any
+               local b env_whl exact_whl
+               for b in $(echo "${1#shapes=}" | tr + ' '); do
+                 env_whl=${SHAPES_PACK:-$(ls "$OUT/packs/forgepack_pack_${b//[-.]/_}_envelope"-*.whl 2>/dev/null | head -1)}
+                 exact_whl=$(ls "$packs_dir/$b"/*.whl 2>/dev/null | head -1)
+                 if [ -z "$env_whl" ]; then echo "=== $LANE""shapes-$b: no envelope wheel" | tee -a "$OUT_ROOT/summary.txt"; continue; fi
+                 stage "shapes-$b" "${SHAPES_TIME:-240}" python3 tools/bench_shapes.py --base "$b" --pack "$env_whl" \
+                   ${exact_whl:+--exact "$exact_whl"} --time-limit "$(( ${SHAPES_TIME:-240} - 60 ))" ${SHAPES_ARGS:-}
                done ;;
     graphs)    stage graphs "${GRAPHS_TIME:-300}" python3 tools/bench_graphs.py ;;
     fusion)    stage fusion "${FUSION_TIME:-300}" python3 tools/bench_fusion.py --budget-s "${FUSION_BUDGET_S:-230}" ;;
