@@ -267,3 +267,16 @@ def test_the_headroom_cap_is_not_a_ceiling_for_a_card_already_past_it():
     assert sc.dropped is None and sc.score > 0
     at_ceiling = dataclasses.replace(state("small", 0.5, eager=20.0, roofline=10.0), best=(2.0,), successes=1.0)
     assert "reached its achievable" in allocator.score(at_ceiling, [at_ceiling], CFG).dropped
+
+
+def test_breadth_gives_every_live_card_one_call_before_any_gets_a_second():
+    """Biggest estimated gain first among the cards with the fewest calls; what the allocator drops (a
+    view, a card at its roofline) gets none."""
+    states = [state("big", 0.8, best=(1.1,), successes=1.0), state("mid", 0.02), state("small", 0.01),
+              state("v", 0.3, baseline="view"), state("flat", 0.3, eager=1.0, roofline=1.0)]
+    decision = allocator.decide_breadth(states, CFG)
+    assert decision.card_id == "mid" and decision.reason.startswith("breadth")
+    assert allocator.decide(states, CFG).card_id == "big"  # the allocator would refine the big one
+    rows = {r.card_id: r.planned for r in allocator.plan(states, 3, CFG, strategy="breadth")}
+    assert rows == {"big": 1, "mid": 1, "small": 1, "v": 0, "flat": 0}
+    assert allocator.decide_breadth([state("v", 0.3, baseline="view")], CFG).card_id is None

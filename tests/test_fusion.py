@@ -625,6 +625,44 @@ def test_two_patchers_never_stack_and_a_wrapped_patch_is_switched_off(llama):
         cls.forward = original
 
 
+def test_a_call_of_other_sizes_misses_before_the_fused_op_and_runs_the_original(llama):
+    """An exact pack served at other sizes: the site's verified sizes turn the call away in Python (the
+    fused op and the grad/autocast checks cost tens of microseconds a call); a call of the verified sizes
+    still reaches the op, whose guard checks everything else."""
+    from transformers.models.llama import modeling_llama
+
+    (norm,) = llama.by_pattern("rmsnorm")
+    sites, _ = fusion.sites_of([norm])
+    site = sites[0]
+    module = llama.lm.model.model.norm
+    hidden = module.weight.shape[0]
+    calls = []
+
+    def kernel(s, tensors):
+        calls.append(tuple(t.shape for t in tensors))
+        return None  # the op's own guard missing: the original runs
+
+    patches = rt.ModulePatches(sites, kernel, shapes={site.index: frozenset({((1, 32, hidden), (hidden,))})})
+    original = modeling_llama.LlamaRMSNorm.__dict__["forward"]
+    assert patches.install() == {}
+    try:
+        with torch.no_grad():
+            other = torch.randn(2, 5, hidden).to(torch.bfloat16)
+            assert torch.equal(module(other), original(module, other)) and calls == []
+            module(torch.randn(1, 32, hidden).to(torch.bfloat16))
+            assert calls == [((1, 32, hidden), (hidden,))]
+        assert patches.stats()[site.index] == {"calls": 2, "hits": 0, "declined": 0, "missed": 2}
+    finally:
+        patches.remove()
+
+
+def test_site_sizes_come_from_every_variant_and_a_variant_without_them_turns_the_filter_off():
+    spec = {"variants": [{"sites": [0], "shapes": [[1, 32, 64], [64]]}, {"sites": [0, 1], "shapes": [[2, 8, 64], [64]]},
+                         {"sites": [2], "shapes": [[4, 4]]}, {"sites": [2]}]}
+    assert rt.site_shapes(spec) == {0: frozenset({((1, 32, 64), (64,)), ((2, 8, 64), (64,))}),
+                                    1: frozenset({((2, 8, 64), (64,))})}
+
+
 # --- on a GPU ---------------------------------------------------------------------------------------------
 
 

@@ -95,6 +95,36 @@ def test_inspect_info_and_selftest_see_the_fused_kernels(two_packs):
     assert all(i in test.stdout for i in ids) and f"{len(ids)} fused kernels not re-checked" in test.stdout
 
 
+OFF_SHAPE = r"""
+import json, torch
+from transformers import LlamaConfig, LlamaForCausalLM
+import forgepack_pack_tiny_llama as pack
+torch.manual_seed(0)
+model = LlamaForCausalLM(LlamaConfig(**CONFIG)).to(torch.bfloat16).eval()
+ids = torch.randint(0, CONFIG["vocab_size"], (3, 7))
+with torch.no_grad():
+    stock = model(ids).logits
+    pack.activate(strict=True)
+    served = model(ids).logits
+    pack.deactivate()
+spec = json.loads(open(pack.__path__[0] + "/modules.json").read())
+print(json.dumps({"same": bool(torch.equal(stock, served)), "shapes": [v.get("shapes") for v in spec["variants"]],
+                  "stats": pack.stats()}))
+"""
+
+
+def test_the_pack_lists_each_fused_variants_sizes_and_other_sizes_run_stock_bit_for_bit(two_packs):
+    cards, first, _ = two_packs
+    config = recipe.resolve("tiny-llama").model.config
+    proc = _run(f"CONFIG = {dict(config)!r}\n" + OFF_SHAPE, first, REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    by_id = {c.id: c for c in cards}
+    assert res["shapes"] == [[list(m.shape) for m in by_id[v].tensor_inputs()] for v in res["stats"] if v in by_id]
+    assert res["same"]  # batch 3, 7 tokens: no fused variant's sizes; the originals ran
+    assert all(s["hits"] == 0 for s in res["stats"].values()) and any(s["misses"] for s in res["stats"].values())
+
+
 TWO = r"""
 import json, warnings
 import forgepack_pack_tiny_llama as a

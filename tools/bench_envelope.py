@@ -66,12 +66,12 @@ def envelope_recipe(base: str, batch: str, seq_len: str, cache_max: int, new_tok
     return r.replace(name=f"{r.name}-envelope", workload=workload, target={"device": target}, build=build)
 
 
-def build(r: recipe.Recipe, root: Path) -> tuple[Path, dict[str, Any]]:
+def build(r: recipe.Recipe, root: Path, strategy: str = "allocator") -> tuple[Path, dict[str, Any]]:
     """`forgepack build` of the envelope recipe in a fresh process: (the wheel, what the build said)."""
     path = root / f"{r.name}.toml"
     path.write_text(tomlwriter.dumps(recipe.to_dict(r)))
     cmd = [sys.executable, "-m", "forgepack", "build", str(path), "--workspace", str(root / "ws"), "--out",
-           str(root / "packs"), "--json"]
+           str(root / "packs"), "--json", "--strategy", strategy]
     env = {**os.environ, "PYTHONUNBUFFERED": "1",
            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     start = time.perf_counter()
@@ -84,7 +84,8 @@ def build(r: recipe.Recipe, root: Path) -> tuple[Path, dict[str, Any]]:
     doc = json.loads(proc.stdout)
     if not doc.get("wheel"):
         sys.exit(f"bench_envelope: the build wrote no wheel (gate {doc.get('gate')}): nothing to serve")
-    return Path(doc["wheel"]), {"seconds": seconds, "gate": doc.get("gate"), "recipe": str(path)}
+    return Path(doc["wheel"]), {"seconds": seconds, "gate": doc.get("gate"), "recipe": str(path), "strategy": strategy,
+                                "stopped": doc.get("stopped")}
 
 
 def family_kernels(ws_root: Path) -> list[dict[str, Any]]:
@@ -236,6 +237,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="the build's accept margin (the recipe's by default); -0.99 keeps every verified kernel, "
                         "as the CPU target's test does, so that the trace measures what the guards serve, "
                         "not which kernels beat stock")
+    p.add_argument("--strategy", default="allocator",
+                   help="the build's --strategy: breadth gives every card worth a call one before any gets a "
+                        "second (a wide envelope under a time limit)")
     p.add_argument("--pack", default=None, help="a built envelope pack's wheel (skips the build)")
     p.add_argument("--build-only", action="store_true",
                    help="build, copy the wheel to <out>/packs/ (for a later --pack run), and stop")
@@ -258,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.pack:
             wheel, built = Path(args.pack), {"seconds": 0.0, "gate": "given"}
         else:
-            wheel, built = build(r, root)
+            wheel, built = build(r, root, args.strategy)
             built["families"] = family_kernels(root / "ws")
         built["wheel"] = wheel.name
         if args.build_only:

@@ -28,7 +28,8 @@
 #          build's own --time-limit for profile + search, 240 s: it then packs what it has), ENVELOPE_BUILD_TIME
 #          (the stage's limit, 420), ENVELOPE_MARGIN (the build's accept margin; -0.99 keeps every verified
 #          kernel, for issue 20's served-share target), ENVELOPE_GATE (1: build with the end-to-end gate, as a user
-#          would; default off), ENVELOPE_TRACE (0: build only), ENVELOPE_TRACE_ARGS (--requests 8), ENVELOPE_TIME (240))
+#          would; default off), ENVELOPE_STRATEGY (the build's --strategy; breadth: one call per card first),
+#          ENVELOPE_TRACE (0: build only), ENVELOPE_TRACE_ARGS (--requests 8), ENVELOPE_TIME (240))
 #   shapes=a+b (issue 20's speed targets: tools/bench_shapes.py times stock, the envelope pack (an envelope=a stage's
 #          wheel, or SHAPES_PACK) and the exact pack (a build=a stage's, if run) side by side at the base shape and
 #          over a grid of prefill and decode shapes. Knobs: SHAPES_TIME (240), SHAPES_ARGS. build=a takes BUILD_LIMIT
@@ -129,7 +130,8 @@ run_stage() {
                for b in $(echo "${1#envelope=}" | tr + ' '); do
                  stage "envelope-build-$b" "${ENVELOPE_BUILD_TIME:-420}" python3 tools/bench_envelope.py --base "$b" \
                    $env --budget "${ENVELOPE_BUDGET:-48}" --time-limit "${ENVELOPE_LIMIT:-240}" \
-                   ${ENVELOPE_MARGIN:+--margin "$ENVELOPE_MARGIN"} $([ "${ENVELOPE_GATE:-0}" = 1 ] || echo --no-gate) --build-only
+                   ${ENVELOPE_MARGIN:+--margin "$ENVELOPE_MARGIN"} --strategy "${ENVELOPE_STRATEGY:-allocator}" \
+                   $([ "${ENVELOPE_GATE:-0}" = 1 ] || echo --no-gate) --build-only
                  whl=$(ls "$OUT/packs/forgepack_pack_${b//[-.]/_}_envelope"-*.whl 2>/dev/null | head -1)
                  [ -n "$whl" ] && [ "${ENVELOPE_TRACE:-1}" = 1 ] && stage "envelope-trace-$b" "${ENVELOPE_TIME:-240}" \
                    python3 tools/bench_envelope.py --base "$b" $env --pack "$whl" ${ENVELOPE_TRACE_ARGS:---requests 8}

@@ -67,7 +67,10 @@ def build_command(
         "--seq-len", help="sequence length, or a range such as 16-2048 (overrides the recipe)")] = None,
     phase: Annotated[str | None, typer.Option(help="prefill, decode or generate (overrides the recipe)")] = None,
     workspace: Annotated[str | None, typer.Option(help="workspace directory (default .forgepack/<slug>)")] = None,
-    strategy: Annotated[str, typer.Option(hidden=True, help="allocator or uniform (benchmarks)")] = "allocator",
+    strategy: Annotated[str, typer.Option(
+        help="allocator (calls where the estimated gain is largest), breadth (every card worth a call gets "
+             "one before any gets a second: a wide envelope under a time limit) or uniform (a benchmark's "
+             "baseline)")] = "allocator",
     out_dir: Annotated[str, typer.Option("--out", help="where the pack wheel goes")] = "packs",
     as_json: Annotated[bool, typer.Option(
         "--json", help="print the search result as JSON on stdout (progress stays on stderr)")] = False,

@@ -84,7 +84,8 @@ def spec(variants: list[FusedVariant], namespace: str, target: str) -> dict[str,
         "library": LIBRARY,
         "sites": [s.to_json() for s in sites],
         "variants": [{"id": v.card.id, "op": v.card.op, "signature": v.card.signature(), "calls": v.card.calls,
-                      "sites": site_of[v.card.id], "kernel": files[v.card.id]} for v in variants],
+                      "sites": site_of[v.card.id], "kernel": files[v.card.id],
+                      "shapes": [list(m.shape) for m in v.card.tensor_inputs()]} for v in variants],
     }
 
 

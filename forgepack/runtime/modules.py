@@ -273,10 +273,15 @@ class ModulePatches:
     build uses it to take samples and to check chains against the modules they came from).
     """
 
-    def __init__(self, sites: list[Site], call: Call, observe: Observe | None = None):
+    def __init__(self, sites: list[Site], call: Call, observe: Observe | None = None,
+                 shapes: dict[int, frozenset[tuple]] | None = None):
         self.sites = list(sites)
         self.call = call
         self.observe = observe
+        # per site, the input sizes its variants take (`site_shapes`): a call of other sizes misses
+        # here, without the grad/autocast checks and the fused op's dispatch (tens of microseconds a
+        # call, paid at every other shape an exact pack is served at)
+        self.shapes = shapes or {}
         self.counters = _Counters(1 + max((s.index for s in self.sites), default=-1))
         self._restore: list[tuple[Any, str, Any, Any]] = []  # (owner, attribute, original or _MISSING, patch)
         self._lock = threading.Lock()
@@ -352,6 +357,10 @@ class ModulePatches:
     def _run(self, site: Site, tensors: list[torch.Tensor]) -> list[torch.Tensor] | None:
         row = self.counters.rows[site.index]
         row[0] += 1
+        sizes = self.shapes.get(site.index)
+        if sizes is not None and tuple(t.shape for t in tensors) not in sizes:
+            row[3] += 1
+            return None
         if _busy(tensors):
             row[2] += 1
             return None
@@ -517,6 +526,21 @@ _GLUE_FORWARDS = {
 # --- the pack's side: sites from modules.json, kernels through the shim's `fused` op ------------------
 
 
+def site_shapes(spec: dict[str, Any]) -> dict[int, frozenset[tuple]]:
+    """Per site, every input-size combination its variants were verified for (`modules.json`: each
+    fused variant's input sizes). A site with a variant that does not list them (a pack built before
+    they were written) gets no entry: its calls all reach the fused op's own guard."""
+    out: dict[int, set[tuple]] = {}
+    unknown: set[int] = set()
+    for v in spec.get("variants", ()):
+        for site in v["sites"]:
+            if "shapes" not in v:
+                unknown.add(site)
+                continue
+            out.setdefault(site, set()).add(tuple(tuple(s) for s in v["shapes"]))
+    return {site: frozenset(sizes) for site, sizes in out.items() if site not in unknown}
+
+
 class PackModules:
     """A pack's module patches: reads `modules.json`, runs kernels through `torch.ops.<ns>.fused`."""
 
@@ -558,7 +582,7 @@ class PackModules:
             def call(site: Site, tensors: list[torch.Tensor]) -> list[torch.Tensor] | None:
                 return fused(site.index, tensors) or None
 
-            self.patches = ModulePatches(self.sites, call)
+            self.patches = ModulePatches(self.sites, call, shapes=site_shapes(self.spec))
         return self.patches.install()
 
     def deactivate(self) -> None:

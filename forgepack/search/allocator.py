@@ -412,9 +412,26 @@ def decide_uniform(states: Sequence[CardState], cfg: Config, reach: Reach | None
     return Decision(pick.card_id, f"uniform: fewest calls so far ({pick.calls}) among {len(usable)} cards")
 
 
+def decide_breadth(states: Sequence[CardState], cfg: Config, reach: Reach | None = None) -> Decision:
+    """Every card worth a call gets one before any gets a second: among the cards the allocator would
+    not drop, the fewest calls so far, then the highest estimated gain per call. For a build that must
+    reach many cards within a time limit rather than refine a few: a shape envelope whose kernels must
+    serve every family of an op (issue 20's served share), where the first call of a template family
+    brings most of what a card will get."""
+    reach = reach or learned_reach(states, cfg)
+    live = [s for s in scores(states, cfg, reach) if not s.dropped and s.score > 0]
+    if not live:
+        return Decision(None, "breadth: every card is dropped or has nothing left to gain")
+    calls = {s.card_id: s.calls for s in states}
+    pick = min(live, key=lambda sc: calls[sc.card_id])  # `live` is best first: ties keep the better card
+    return Decision(pick.card_id, f"breadth: fewest calls so far ({calls[pick.card_id]}) among {len(live)} live "
+                                  f"cards, then est. gain/call {pick.score:.2e}")
+
+
 STRATEGIES: dict[str, Callable[[Sequence[CardState], Config], Decision]] = {
     "allocator": decide,
     "uniform": decide_uniform,
+    "breadth": decide_breadth,
 }
 
 
