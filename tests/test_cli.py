@@ -110,6 +110,19 @@ def test_the_readmes_recipe_for_ones_own_model_is_a_valid_recipe():
     assert recipe_mod.from_dict(recipe_mod.to_dict(r)) == r
 
 
+def test_the_readmes_envelope_is_a_valid_workload_with_its_ranges():
+    import tomllib
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = readme.split("### One pack for every shape you serve", 1)[1]
+    block = tomllib.loads(section.split("```toml\n", 1)[1].split("```", 1)[0])
+    data = recipe_mod.to_dict(recipe_mod.resolve("tiny-llama"))
+    data["workload"].update(block["workload"])
+    w = recipe_mod.from_dict(data, origin="README.md").workload
+    assert w.is_envelope and w.phase == "generate"
+    assert (w.batch.min, w.batch.max, w.seq_len.min, w.seq_len.max, w.cache_len.max) == (1, 8, 16, 2048, 4096)
+
+
 def test_pack_steps_say_which_step_runs_and_how_long_it_took(monkeypatch):
     """The shim's compilation and the gate report no fraction done: a spinner with the elapsed time on
     a terminal, a timestamped line as each starts in a log; either way a line when each ends."""
