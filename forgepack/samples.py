@@ -140,17 +140,26 @@ def adversarial(meta: TensorMeta, kind: str, gen: torch.Generator, device: str |
 
 def _with_nonfinite_runs(values: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
     """Runs of NaN, +inf and -inf (adjacent ones, a run long enough to fill a vector or a short row),
-    mixed runs, and a few isolated ones."""
-    n = values.numel()
-    specials = (math.nan, math.inf, -math.inf)
-    for k in range(max(3, n // 512)):
-        length = int(torch.randint(1, max(2, min(64, n // 4)), (1,), generator=gen, device=gen.device))
-        start = int(torch.randint(0, max(1, n - length), (1,), generator=gen, device=gen.device))
-        if k % 4 == 3:  # a mixed run
-            picks = torch.randint(0, 3, (length,), generator=gen, device=gen.device).tolist()
-            values[start : start + length] = torch.tensor([specials[p] for p in picks], dtype=values.dtype)
-        else:
-            values[start : start + length] = specials[k % 3]
+    mixed runs, and a few isolated ones: one run per 512 elements (at least three), drawn at once (a
+    large input has hundreds of thousands of runs, and drawing them one by one cost seconds, a device
+    sync each on a GPU). Where runs overlap, the later run's value stands, as if written in order."""
+    n, device = values.numel(), values.device
+    count = max(3, n // 512)
+    kinds = torch.arange(count, device=device)
+    lengths = torch.randint(1, max(2, min(64, n // 4)), (count,), generator=gen, device=gen.device).to(device)
+    room = (n - lengths).clamp_min(1)
+    starts = (torch.rand(count, generator=gen, dtype=torch.float64, device=gen.device).to(device) * room).long()
+    run = torch.repeat_interleave(kinds, lengths)  # each written element's run, in run order
+    first = torch.cumsum(lengths, 0) - lengths
+    positions = starts[run] + torch.arange(run.numel(), device=device) - first[run]
+    specials = torch.tensor((math.nan, math.inf, -math.inf), dtype=values.dtype, device=device)
+    mixed = torch.randint(0, 3, (run.numel(),), generator=gen, device=gen.device).to(device)
+    picks = torch.where(run % 4 == 3, mixed, run % 3)
+    order = torch.argsort(positions, stable=True)  # by position, run order kept among equals: the last wins
+    ordered = positions[order]
+    last = torch.ones_like(ordered, dtype=torch.bool)
+    last[:-1] = ordered[1:] != ordered[:-1]
+    values[ordered[last]] = specials[picks[order[last]]]
     return values
 
 
@@ -196,17 +205,29 @@ def near_duplicate(metas: list[TensorMeta | None], tensors: list, seed: int) -> 
         if m is None or t is None:
             out.append(None)
             continue
-        values = window(t).cpu()
+        values = window(t)  # a copy, where t lives: a large input is not taken through the host
         if m.dtype in FLOAT_DTYPES and m.numel:
-            positions = torch.as_strided(torch.arange(m.span()), m.shape, m.stride, 0).reshape(-1)
-            idx = positions[torch.randint(0, positions.numel(), (max(4, m.numel // 1000),), generator=gen)]
-            bump = (torch.randn(idx.numel(), generator=gen, dtype=torch.float64) + 1.0).abs() + 0.25
+            picks = torch.randint(0, m.numel, (max(4, m.numel // 1000),), generator=gen)
+            idx = storage_positions(picks, m.shape, m.stride).to(values.device)
+            bump = (torch.randn(idx.numel(), generator=gen, dtype=torch.float64) + 1.0).abs().to(values.device) + 0.25
             changed = values[idx].to(torch.float64)
             flipped = -changed - torch.where(changed < 0, -bump, bump) * changed.abs().clamp_min(1.0)
             changed = torch.where(torch.isfinite(changed), flipped, bump)
             values[idx] = changed.to(values.dtype)
         out.append(materialize(m, values, t.device))
     return out
+
+
+def storage_positions(flat: torch.Tensor, shape: tuple[int, ...], stride: tuple[int, ...]) -> torch.Tensor:
+    """The storage offsets (from the first element) of the elements at these row-major logical indices:
+    what indexing `as_strided(arange(span), shape, stride).reshape(-1)` gives, without building it (a
+    large input's span is hundreds of millions of elements)."""
+    offset = torch.zeros_like(flat)
+    rest = flat.clone()
+    for size, step in zip(reversed(shape), reversed(stride), strict=True):
+        offset += (rest % size) * step
+        rest //= size
+    return offset
 
 
 # --- the per-card sample file ----------------------------------------------------------------------

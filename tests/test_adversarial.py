@@ -339,3 +339,14 @@ def test_draws_are_made_on_the_device_and_reproducible_per_seed(device):
         assert x.device.type == device and x.shape == one.shape, label
     edge = samples_mod.fresh_inputs(card, 3, device, edge=True)[0]
     assert int(torch.isnan(edge).sum()) == 1 and int(torch.isinf(edge).sum()) == 2
+
+
+@pytest.mark.parametrize(("shape", "stride"), [((3, 4, 5), (20, 5, 1)), ((3, 4, 5), (1, 3, 12)),
+                                               ((2, 3, 4, 5), (60, 5, 15, 1)), ((4, 3), (0, 1)), ((7,), (2,))])
+def test_near_duplicate_positions_are_the_layouts_storage_offsets(shape, stride):
+    """The near-duplicate twin picks its changed elements by storage offset, computed from the layout
+    instead of an arange over the whole span (a large input's span is hundreds of millions of elements)."""
+    span = 1 + sum((n - 1) * s for n, s in zip(shape, stride, strict=True))
+    expected = torch.as_strided(torch.arange(span), shape, stride, 0).reshape(-1)
+    got = samples_mod.storage_positions(torch.arange(expected.numel()), shape, stride)
+    assert torch.equal(got, expected)

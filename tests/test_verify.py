@@ -366,3 +366,29 @@ def test_an_output_equal_to_the_garbage_fill_by_chance_is_not_unwritten():
     close = verify._close_to(out, ref, "float32", 0.0)
     assert close.tolist() == [True, True, False, True]
     assert not verify._close_to(torch.tensor([3]), torch.tensor([4]), "int32", 0.0).any()  # exact dtypes: bits decide
+
+
+def test_the_kernel_comparison_keeps_its_rules_at_the_edges():
+    """Non-finite values, a statistic's interchangeable NaN and inf, the scale taken over finite values
+    only, and empty or all-non-finite tensors (the comparison's passes were cut for large outputs)."""
+    from forgepack.runtime import compare as judge
+    from forgepack.runtime.tolerances import tolerance
+
+    tol = tolerance("float32")
+    inf, nan = float("inf"), float("nan")
+    ref = torch.tensor([1.0, nan, inf, -inf, 1e6, 0.0])
+    bad, atol = judge.kernel_mismatches(ref.clone(), ref, tol)
+    assert not bad.any() and atol == pytest.approx(judge.scaled_atol(tol, 1e6))  # the scale: finite |values|
+    got = torch.tensor([1.0, inf, nan, inf, 1e6, 0.0])
+    assert judge.kernel_mismatches(got, ref, tol)[0].tolist() == [False, True, True, True, False, False]
+    stat = torch.tensor([1.0, inf, nan, inf, inf, 0.0])  # non-finite for non-finite is fine; for 1e6 it is not
+    assert judge.kernel_mismatches(stat, ref, tol, statistic=True)[0].tolist() == [False] * 4 + [True, False]
+    assert judge.kernel_mismatches(torch.tensor([nan, 2.0]), torch.tensor([1.0, 2.0]), tol)[0].tolist() == [True,
+                                                                                                            False]
+    assert judge.kernel_mismatches(torch.full((3,), nan), torch.full((3,), nan), tol)[1] == judge.scaled_atol(tol, 0.0)
+    assert judge.input_scale([torch.tensor([nan, -3.0, inf]), None, torch.tensor([2.0]),
+                              torch.tensor([7], dtype=torch.int64), torch.empty(0)]) == 3.0
+    assert judge.input_scale([torch.tensor([inf, nan])]) == 0.0
+    assert judge.max_abs_error(torch.tensor([1.0, inf, 5.0]), torch.tensor([1.5, inf, nan])) == 0.5
+    assert judge.max_abs_error(torch.tensor([inf]), torch.tensor([1.0])) == 0.0
+    assert judge.max_abs_error(torch.empty(0), torch.empty(0)) == 0.0

@@ -31,7 +31,7 @@
 #          would; default off), ENVELOPE_STRATEGY (the build's --strategy; breadth: one call per card first),
 #          ENVELOPE_TRACE (0: build only), ENVELOPE_TRACE_ARGS (--requests 8), ENVELOPE_TIME (240))
 #   shapes=a+b (issue 20's speed targets: tools/bench_shapes.py times stock, the envelope pack (an envelope=a stage's
-#          wheel, or SHAPES_PACK) and the exact pack (a build=a stage's, if run) side by side at the base shape and
+#          wheel, or SHAPES_PACK) and the exact pack (a build=a stage's, or SHAPES_EXACT) side by side at the base shape and
 #          over a grid of prefill and decode shapes. Knobs: SHAPES_TIME (240), SHAPES_ARGS. build=a takes BUILD_LIMIT
 #          (its --time-limit). One call:  BUILD_LIMIT=150 ENVELOPE_GATE=1 ENVELOPE_TRACE=0 bash tools/gpu_check.sh
 #          build=llama-1b-decode envelope=llama-1b-decode shapes=llama-1b-decode)
@@ -141,7 +141,7 @@ run_stage() {
                local b env_whl exact_whl
                for b in $(echo "${1#shapes=}" | tr + ' '); do
                  env_whl=${SHAPES_PACK:-$(ls "$OUT/packs/forgepack_pack_${b//[-.]/_}_envelope"-*.whl 2>/dev/null | head -1)}
-                 exact_whl=$(ls "$packs_dir/$b"/*.whl 2>/dev/null | head -1)
+                 exact_whl=${SHAPES_EXACT:-$(ls "$packs_dir/$b"/*.whl 2>/dev/null | head -1)}
                  if [ -z "$env_whl" ]; then echo "=== $LANE""shapes-$b: no envelope wheel" | tee -a "$OUT_ROOT/summary.txt"; continue; fi
                  stage "shapes-$b" "${SHAPES_TIME:-240}" python3 tools/bench_shapes.py --base "$b" --pack "$env_whl" \
                    ${exact_whl:+--exact "$exact_whl"} --time-limit "$(( ${SHAPES_TIME:-240} - 60 ))" ${SHAPES_ARGS:-}
