@@ -9,6 +9,12 @@
 #   bash tools/gpu_check.sh 0:search=llama-1b-prefill,packs=gpt2 1:search=resnet-50   # per-lane recipes
 #   PACK_BUDGET=48 PACK_TIME=280 bash tools/gpu_check.sh 0:packs=llama-1b-prefill+gpt2         # next session: call 1
 #   PACK_BUDGET=48 PACK_TIME=280 bash tools/gpu_check.sh 0:packs=resnet-50+qwen2-0.5b-prefill  # and call 2
+#   # issue 20 on the H200, three calls: the served share per model, then the speed targets
+#   ENVELOPE_MARGIN=-0.99 ENVELOPE_STRATEGY=breadth ENVELOPE_BUDGET=64 ENVELOPE_LIMIT=300 DEADLINE=560 \
+#     bash tools/gpu_check.sh envelope=llama-1b-decode        # and again with envelope=qwen2-0.5b-prefill
+#   BUILD_LIMIT=90 PACK_BUDGET=12 ENVELOPE_LIMIT=180 ENVELOPE_GATE=1 ENVELOPE_TRACE=0 SHAPES_TIME=170 \
+#     SHAPES_ARGS="--batches 1,8 --prompts 16,2048 --caches 16,2048 --rounds 7" \
+#     bash tools/gpu_check.sh dispatch build=llama-1b-decode envelope=llama-1b-decode shapes=llama-1b-decode
 #
 # Set FORGEPACK_COMMIT to the literal commit sent: on the device machine `git rev-parse HEAD` has
 # answered an older commit than the tree it was given (session 6).
