@@ -93,3 +93,11 @@ def test_cpu_run_times_stock_and_both_packs_at_every_shape(wheels):
     assert all(r["envelope"]["served_per_forward"] > 0 for r in inside), {k: r["envelope"] for k, r in rows.items()}
     md = (results / "bench_shapes-tiny_llama.md").read_text()
     assert data["commit"] in md and "slower than stock beyond noise" in md and "envelope / exact" in md
+
+
+def test_a_missing_wheel_is_one_line_and_a_failing_exit(tmp_path):
+    proc = subprocess.run([sys.executable, str(TOOLS / "bench_shapes.py"), "--base", "tiny-llama", "--pack",
+                           str(tmp_path / "no.whl")], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          check=False)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == f"bench_shapes: pack {tmp_path / 'no.whl'} does not exist"

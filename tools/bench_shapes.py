@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchlib
 
 from forgepack import bench, intervals, models, modeltiming, recipe
+from forgepack.errors import ForgepackError
 
 TOLERANCE = 0.03  # issue 20: the family pack within 3% of the exact-shape pack at its shape
 
@@ -192,4 +193,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except ForgepackError as err:  # a missing or corrupt wheel, an unknown recipe: one line, not a traceback
+        sys.exit(f"bench_shapes: {err}")

@@ -48,7 +48,7 @@ class Settings:
     budget: int  # proposer calls (of this proposer) the store may hold when the search ends
     target: str = "cuda"
     arch: str | None = None
-    strategy: str = "allocator"  # allocator.STRATEGIES: or "breadth", or "uniform" (the benchmark's baseline)
+    strategy: str = "allocator"  # a key of allocator.STRATEGIES: allocator, breadth or uniform (a baseline)
     max_cost: float | None = None  # US dollars over all calls in the store
     deadline: float | None = None  # `time.monotonic()` past which no new call starts (build.time_limit)
     margin: float = 0.05
