@@ -181,5 +181,14 @@ else
   ( lane 0 $args )
 fi
 
-tar -czf "$OUT_ROOT/results.tar.gz" -C "$OUT_ROOT" $(cd "$OUT_ROOT" && ls -d lane*) && rm -rf "$OUT_ROOT"/lane*
+tar -czf "$OUT_ROOT/results.tar.gz" -C "$OUT_ROOT" $(cd "$OUT_ROOT" && ls -d lane*)
+# A file over 16 MiB does not come back from the device, and the bundle holds every result: past 15 MiB it is
+# made again without the wheels (kept for a later --pack run), which then come back only if small enough.
+if (( $(stat -c %s "$OUT_ROOT/results.tar.gz") > 15 * 1024 * 1024 )); then
+  tar -czf "$OUT_ROOT/results.tar.gz" -C "$OUT_ROOT" --exclude='lane*/packs' $(cd "$OUT_ROOT" && ls -d lane*)
+  tar -czf "$OUT_ROOT/packs.tar.gz" -C "$OUT_ROOT" $(cd "$OUT_ROOT" && ls -d lane*/packs 2>/dev/null)
+  echo "results.tar.gz left the wheels out ($(stat -c %s "$OUT_ROOT/packs.tar.gz") bytes in packs.tar.gz)" \
+    | tee -a "$OUT_ROOT/summary.txt"
+fi
+rm -rf "$OUT_ROOT"/lane*
 cat "$OUT_ROOT/summary.txt"
