@@ -392,3 +392,6 @@ def test_the_kernel_comparison_keeps_its_rules_at_the_edges():
     assert judge.max_abs_error(torch.tensor([1.0, inf, 5.0]), torch.tensor([1.5, inf, nan])) == 0.5
     assert judge.max_abs_error(torch.tensor([inf]), torch.tensor([1.0])) == 0.0
     assert judge.max_abs_error(torch.empty(0), torch.empty(0)) == 0.0
+    same = torch.tensor([1.0, inf, -inf, -4.0])  # bit for bit, no NaN: decided in one pass, the same answer
+    bad, atol = judge.kernel_mismatches(same.clone(), same, tol, input_scale=2.0)
+    assert not bad.any() and atol == judge.scaled_atol(tol, 4.0) and judge.max_abs_error(same.clone(), same) == 0.0

@@ -60,6 +60,9 @@ def kernel_mismatches(out: torch.Tensor, ref: torch.Tensor, tol: Tolerance | Non
         a = out.contiguous().view(_BITS[out.element_size()]) if out.dtype == torch.bool else out
         b = ref.contiguous().view(_BITS[ref.element_size()]) if out.dtype == torch.bool else ref.to(out.dtype)
         return a != b, 0.0
+    if out.dtype == ref.dtype and torch.equal(out, ref):  # bit for bit, no NaN anywhere: one pass decides
+        return torch.zeros(out.shape, dtype=torch.bool, device=out.device), scaled_atol(
+            tol, max(_largest_finite(ref.abs()), input_scale))
     o, r = out.to(torch.float64), ref.to(torch.float64)
     ref_size = r.abs()
     atol = scaled_atol(tol, max(_largest_finite(ref_size), input_scale))
@@ -89,6 +92,8 @@ def kernel_mismatch(out: torch.Tensor, ref: torch.Tensor, tol: Tolerance | None,
 
 def max_abs_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     """The largest |out - ref| where both are finite (0.0 when nowhere is)."""
+    if out.dtype == ref.dtype and torch.equal(out, ref):  # the usual case of a correct kernel: one pass
+        return 0.0
     both = torch.isfinite(out) & torch.isfinite(ref)
     o, r = out.to(torch.float64), ref.to(torch.float64)
     return float((o - r).abs_().masked_fill_(~both, 0).max()) if o.numel() else 0.0
