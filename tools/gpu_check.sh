@@ -82,6 +82,11 @@ stage() {
   echo "=== $LANE$name: rc=$rc in $((SECONDS - start)) s" | tee -a "$OUT_ROOT/summary.txt"
 }
 
+# envelope_wheel RECIPE: the wheel an envelope=RECIPE stage kept under this lane's $OUT/packs (empty if none)
+envelope_wheel() {
+  ls "$OUT/packs/forgepack_pack_${1//[-.]/_}_envelope"-*.whl 2>/dev/null | head -1
+}
+
 run_stage() {
   local packs_dir="$FORGEPACK_HOME/packs"
   case $1 in
@@ -138,7 +143,7 @@ run_stage() {
                    $env --budget "${ENVELOPE_BUDGET:-48}" --time-limit "${ENVELOPE_LIMIT:-240}" \
                    ${ENVELOPE_MARGIN:+--margin "$ENVELOPE_MARGIN"} --strategy "${ENVELOPE_STRATEGY:-allocator}" \
                    $([ "${ENVELOPE_GATE:-0}" = 1 ] || echo --no-gate) --build-only
-                 whl=$(ls "$OUT/packs/forgepack_pack_${b//[-.]/_}_envelope"-*.whl 2>/dev/null | head -1)
+                 whl=$(envelope_wheel "$b")
                  [ -n "$whl" ] && [ "${ENVELOPE_TRACE:-1}" = 1 ] && stage "envelope-trace-$b" "${ENVELOPE_TIME:-240}" \
                    python3 tools/bench_envelope.py --base "$b" $env --pack "$whl" ${ENVELOPE_TRACE_ARGS:---requests 8}
                done ;;
@@ -146,7 +151,7 @@ run_stage() {
                # envelope=b stage's; SHAPES_PACK: a carried one) and the exact pack a build=b stage made, if any
                local b env_whl exact_whl
                for b in $(echo "${1#shapes=}" | tr + ' '); do
-                 env_whl=${SHAPES_PACK:-$(ls "$OUT/packs/forgepack_pack_${b//[-.]/_}_envelope"-*.whl 2>/dev/null | head -1)}
+                 env_whl=${SHAPES_PACK:-$(envelope_wheel "$b")}
                  exact_whl=${SHAPES_EXACT:-$(ls "$packs_dir/$b"/*.whl 2>/dev/null | head -1)}
                  if [ -z "$env_whl" ]; then echo "=== $LANE""shapes-$b: no envelope wheel" | tee -a "$OUT_ROOT/summary.txt"; continue; fi
                  stage "shapes-$b" "${SHAPES_TIME:-240}" python3 tools/bench_shapes.py --base "$b" --pack "$env_whl" \
