@@ -307,30 +307,48 @@ def run_trace(col: Column, model, trace: list[dict], ids_list: list) -> None:
         col.generate(model, ids, req["new"])
 
 
+@dataclass
+class Agreement:
+    """Teacher-forced agreement, tallied over generate() outputs: each decode step's logits against eager
+    logits of the same sequence (no cache), for the first two rows of each output."""
+
+    errs: list[float] = dataclasses.field(default_factory=list)
+    agree: int = 0
+    total: int = 0
+    clear_agree: int = 0
+    clear_total: int = 0
+
+    def add(self, twin_forward, out, new: int) -> None:
+        """`out`: a generate() output with `.logits` (output_logits=True) of `new` steps."""
+        import torch
+
+        from forgepack.runtime import compare
+
+        steps = torch.stack(out.logits, 1).float()  # [batch, new, vocab]
+        for row in range(min(steps.shape[0], 2)):
+            seq = out.sequences[row:row + 1]
+            ref = twin_forward(input_ids=seq, use_cache=False, logits_to_keep=new + 1).logits[0, :-1].float()
+            self.errs.append(compare.scale_error(ref, steps[row]))
+            same = ref.argmax(-1) == steps[row].argmax(-1)
+            clear = clear_positions(ref)
+            self.agree += int(same.sum())
+            self.total += ref.shape[0]
+            self.clear_agree += int((same & clear).sum())
+            self.clear_total += int(clear.sum())
+
+    def summary(self) -> dict:
+        t, c = self.total, self.clear_total
+        return {"max_err_over_scale": max(self.errs) if self.errs else None, "top1": self.agree / t if t else None,
+                "top1_clear": self.clear_agree / c if c else None, "clear_share": c / t if t else None}
+
+
 def agreement(col: Column, model, twin_forward, ids_list, trace, count: int) -> dict:
-    """Teacher-forced: each decode step's logits against eager logits of the same sequence, per row."""
-    import torch
-
-    from forgepack.runtime import compare
-
-    errs, agree, total, clear_agree, clear_total = [], 0, 0, 0, 0
+    """A column's agreement with eager over the trace's first `count` requests."""
+    tally = Agreement()
     for ids, req in list(zip(ids_list, trace, strict=True))[:count]:
         out = col.generate(model, ids, req["new"], output_logits=True, return_dict_in_generate=True)
-        steps = torch.stack(out.logits, 1).float()  # [batch, new, vocab]
-        for row in range(min(ids.shape[0], 2)):
-            seq = out.sequences[row:row + 1]
-            ref = twin_forward(input_ids=seq, use_cache=False, logits_to_keep=req["new"] + 1).logits[0, :-1].float()
-            got = steps[row]
-            errs.append(compare.scale_error(ref, got))
-            same = ref.argmax(-1) == got.argmax(-1)
-            agree += int(same.sum())
-            total += ref.shape[0]
-            clear = clear_positions(ref)
-            clear_agree += int((same & clear).sum())
-            clear_total += int(clear.sum())
-    return {"max_err_over_scale": max(errs) if errs else None, "top1": agree / total if total else None,
-            "top1_clear": clear_agree / clear_total if clear_total else None,
-            "clear_share": clear_total / total if total else None}
+        tally.add(twin_forward, out, req["new"])
+    return tally.summary()
 
 
 # A step whose eager top two logits lie closer than this share of the step's logit scale is a near-tie:

@@ -8,7 +8,10 @@ or takes a built one (`--pack WHEEL`), then runs a trace of greedy `generate()` 
 the trace of `servebench.make_trace`) twice per request: stock (pack deactivated), then the pack
 active. From the pack's own `stats()` it reports the share of the calls of the ops the pack has
 families for that its kernels served (hits / calls, per op and overall; the issue's target is >= 90%),
-the kernels' errors, and whether each request's tokens are stock's (else the first step that differs).
+the kernels' errors, whether each request's tokens are stock's (else the first step that differs),
+and, since random weights have near-tied logits that flip tokens, whether the pack is wrong: both
+decodes' logits teacher-forced against eager stock logits of their own tokens (`servebench.Agreement`:
+max error over scale, top-1 agreement where eager's top two are not a near-tie), the pack's beside stock's.
 Wall seconds per request are printed for orientation only: speed claims come from `bench_serve`.
 
     # H200, the Llama-1B shape over batch 1-8 and prompts 16-2048: build (inside a device call's time, every
@@ -162,27 +165,51 @@ def first_difference(a: torch.Tensor, b: torch.Tensor, start: int) -> int | None
 
 
 def run_trace(lm, pack, trace: list[dict], seed: int) -> list[dict]:
+    """Each request stock (pack off), then with the pack: the calls its kernels served, the tokens, and
+    both decodes' teacher-forced agreement with eager stock logits of their own sequences. Random-weight
+    models have near-tied logits, so tokens alone cannot tell a wrong kernel from a tie broken the other
+    way: the pack's error is read beside stock's own (its cached decode against the same no-cache twin)."""
+    from forgepack.runtime.graphs import eager_forward
+    from forgepack.servebench import Agreement
+
     vocab = lm.model.config.get_text_config().vocab_size
+    twin = eager_forward(lm.model)
     rows = []
     for request, ids in zip(trace, prompts(trace, vocab, lm.device, seed), strict=True):
         pack.deactivate()
         start = time.perf_counter()
-        stock = models.generate(lm.model, ids, request["new"])
+        stock = models.generate(lm.model, ids, request["new"], logits=True)
         stock_s = time.perf_counter() - start
         pack.activate()
         before = pack.stats()
         start = time.perf_counter()
-        got = models.generate(lm.model, ids, request["new"])
+        got = models.generate(lm.model, ids, request["new"], logits=True)
         pack_s = time.perf_counter() - start
         per_op = served(before, pack.stats())
         pack.deactivate()
-        diff = first_difference(stock, got, ids.shape[1])
+        agree = {}
+        with torch.no_grad():
+            for side, out in (("stock", stock), ("pack", got)):
+                tally = Agreement()
+                tally.add(twin, out, request["new"])
+                agree[side] = tally.summary()
+        diff = first_difference(stock.sequences, got.sequences, ids.shape[1])
         rows.append({**request, "same": diff is None, "first_difference": diff, "stock_s": stock_s,
-                     "pack_s": pack_s, "ops": per_op})
+                     "pack_s": pack_s, "ops": per_op, "agreement": agree})
         print(f"request {request['id']}: batch {request['batch']} prompt {request['prompt']} new {request['new']}: "
-              f"{share(per_op):.1%} served, tokens {'as stock' if diff is None else f'differ from step {diff}'}",
-              file=sys.stderr)
+              f"{share(per_op):.1%} served, tokens {'as stock' if diff is None else f'differ from step {diff}'}; "
+              f"max error/scale stock {agree['stock']['max_err_over_scale']:.4f} pack "
+              f"{agree['pack']['max_err_over_scale']:.4f}", file=sys.stderr)
+        del stock, got
     return rows
+
+
+def worst(rows: list[dict], side: str) -> dict[str, float]:
+    """Over the requests: the largest error over scale and the lowest top-1 agreement where eager's top
+    two logits are not a near-tie (servebench.CLEAR_GAP)."""
+    errs = [r["agreement"][side]["max_err_over_scale"] for r in rows]
+    clear = [r["agreement"][side]["top1_clear"] for r in rows if r["agreement"][side]["top1_clear"] is not None]
+    return {"max_err_over_scale": max(errs, default=0.0), "top1_clear": min(clear, default=1.0)}
 
 
 def total(rows: list[dict]) -> dict[str, dict[str, int]]:
@@ -200,24 +227,41 @@ def share(per_op: dict[str, dict[str, int]]) -> float:
     return sum(d["hits"] for d in per_op.values()) / calls if calls else 0.0
 
 
+NOTE = ("\n\nerr: the largest |decode logit - eager teacher-forced logit| over the largest |logit| (first two "
+        "rows); top-1 clear: top-1 as eager's where eager's top two are not a near-tie (the share of such steps). "
+        "Wall seconds are for orientation only (no warm-up, one run each, logits kept).\n")
+
+
+def clear_text(a: dict) -> str:
+    return "-" if a["top1_clear"] is None else f"{a['top1_clear']:.2%} ({a['clear_share']:.0%})"
+
+
 def markdown(info: dict, r: recipe.Recipe, built: dict, rows: list[dict], ops: dict) -> str:
     w = r.workload
     md = benchlib.header_md(f"Envelope pack over a mixed generate() trace: {r.name}", info)
+    ws, wp = worst(rows, "stock"), worst(rows, "pack")
     md += (f"- envelope: batch {w.batch}, prompts {w.seq_len}, cache {w.cache_len}, dtype {w.dtype}\n"
            f"- pack: {built.get('wheel')} (gate {built.get('gate')}, built in {built.get('seconds', 0):.0f} s)\n"
            f"- served: **{share(ops):.1%}** of {sum(d['calls'] for d in ops.values())} calls of the ops the pack "
            f"has families for (target {TARGET:.0%}); kernel errors {sum(d['errors'] for d in ops.values())}; "
-           f"tokens as stock in {sum(r_['same'] for r_ in rows)} of {len(rows)} requests\n\n")
+           f"tokens as stock in {sum(r_['same'] for r_ in rows)} of {len(rows)} requests\n"
+           f"- teacher-forced against eager stock logits of the same tokens (worst request; near-ties "
+           f"flip tokens, so these say whether the pack is wrong): max error over scale stock "
+           f"{ws['max_err_over_scale']:.4f}, pack {wp['max_err_over_scale']:.4f}; top-1 where not a near-tie "
+           f"stock {ws['top1_clear']:.2%}, pack {wp['top1_clear']:.2%}\n\n")
     md += families_md(built["families"]) if built.get("families") else ""
     md += tabulate([[op, d["calls"], d["hits"], f"{d['hits'] / d['calls']:.1%}" if d["calls"] else "-", d["errors"],
                      d.get("outside", 0)] for op, d in sorted(ops.items(), key=lambda kv: -kv[1]["calls"])],
                    headers=["op", "calls", "served", "share", "errors", "stock by sub-range"],
                    tablefmt="github") + "\n\n"
     md += tabulate([[x["id"], x["batch"], x["prompt"], x["new"], f"{share(x['ops']):.1%}",
-                     "yes" if x["same"] else f"no (step {x['first_difference']})", f"{x['stock_s']:.2f}",
-                     f"{x['pack_s']:.2f}"] for x in rows],
-                   headers=["request", "batch", "prompt", "new", "served", "tokens as stock", "stock s", "pack s"],
-                   tablefmt="github") + "\n\nWall seconds are for orientation only (no warm-up, one run each).\n"
+                     "yes" if x["same"] else f"no (step {x['first_difference']})",
+                     f"{x['agreement']['stock']['max_err_over_scale']:.4f}",
+                     f"{x['agreement']['pack']['max_err_over_scale']:.4f}", clear_text(x["agreement"]["stock"]),
+                     clear_text(x["agreement"]["pack"]), f"{x['stock_s']:.2f}", f"{x['pack_s']:.2f}"] for x in rows],
+                   headers=["request", "batch", "prompt", "new", "served", "tokens as stock", "err stock",
+                            "err pack", "top-1 clear stock", "top-1 clear pack", "stock s", "pack s"],
+                   tablefmt="github") + NOTE
     return md
 
 
@@ -280,7 +324,8 @@ def main(argv: list[str] | None = None) -> int:
             rows = run_trace(lm, pack, trace, args.seed)
     ops = total(rows)
     data = {**info, "recipe": recipe.to_dict(r), "build": built, "trace": trace, "requests": rows, "ops": ops,
-            "served": share(ops), "target": TARGET, "same_tokens": all(x["same"] for x in rows)}
+            "served": share(ops), "target": TARGET, "same_tokens": all(x["same"] for x in rows),
+            "agreement": {"stock": worst(rows, "stock"), "pack": worst(rows, "pack")}}
     benchlib.write(f"bench_envelope-{recipe.slugify(r.name)}", data, markdown(info, r, built, rows, ops))
     return 0
 

@@ -35,7 +35,8 @@
 #          (the stage's limit, 420), ENVELOPE_MARGIN (the build's accept margin; -0.99 keeps every verified
 #          kernel, for issue 20's served-share target), ENVELOPE_GATE (1: build with the end-to-end gate, as a user
 #          would; default off), ENVELOPE_STRATEGY (the build's --strategy; breadth: one call per card first),
-#          ENVELOPE_TRACE (0: build only), ENVELOPE_TRACE_ARGS (--requests 8), ENVELOPE_TIME (240))
+#          ENVELOPE_TRACE (0: build only), ENVELOPE_TRACE_ARGS (--requests 8), ENVELOPE_TIME (240), ENVELOPE_PACK (a
+#          carried wheel, e.g. under packs/: no build, the trace on it))
 #   shapes=a+b (issue 20's speed targets: tools/bench_shapes.py times stock, the envelope pack (an envelope=a stage's
 #          wheel, or SHAPES_PACK) and the exact pack (a build=a stage's, or SHAPES_EXACT) side by side at the base shape and
 #          over a grid of prefill and decode shapes. Knobs: SHAPES_TIME (240), SHAPES_ARGS. build=a takes BUILD_LIMIT
@@ -139,6 +140,11 @@ run_stage() {
     envelope=*) # the build in one stage and the trace in another: a cut trace still leaves the wheel
                local b whl env=${ENVELOPE_ARGS:---batch 1-8 --seq-len 16-2048}
                for b in $(echo "${1#envelope=}" | tr + ' '); do
+                 if [ -n "${ENVELOPE_PACK:-}" ]; then  # a carried wheel: the trace only
+                   stage "envelope-trace-$b" "${ENVELOPE_TIME:-240}" python3 tools/bench_envelope.py --base "$b" $env \
+                     --pack "$ENVELOPE_PACK" ${ENVELOPE_TRACE_ARGS:---requests 8}
+                   continue
+                 fi
                  stage "envelope-build-$b" "${ENVELOPE_BUILD_TIME:-420}" python3 tools/bench_envelope.py --base "$b" \
                    $env --budget "${ENVELOPE_BUDGET:-48}" --time-limit "${ENVELOPE_LIMIT:-240}" \
                    ${ENVELOPE_MARGIN:+--margin "$ENVELOPE_MARGIN"} --strategy "${ENVELOPE_STRATEGY:-allocator}" \
