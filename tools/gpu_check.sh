@@ -42,6 +42,7 @@
 #          over a grid of prefill and decode shapes. Knobs: SHAPES_TIME (240), SHAPES_ARGS. build=a takes BUILD_LIMIT
 #          (its --time-limit). One call:  BUILD_LIMIT=150 ENVELOPE_GATE=1 ENVELOPE_TRACE=0 bash tools/gpu_check.sh
 #          build=llama-1b-decode envelope=llama-1b-decode shapes=llama-1b-decode)
+#   overhead=a+b (tools/probe_overhead.py: host time per op, stock against the envelope and exact packs of shapes=a; OVERHEAD_ARGS)
 #   tests=a+b: the GPU tests of tests/test_a.py and tests/test_b.py only (per lane).
 #   search=a+b: the allocator-vs-uniform benchmark on these recipes only (per lane).
 #   packs: builds a pack per recipe and times eager / pack / graphs / pack+graphs / torch.compile /
@@ -162,6 +163,16 @@ run_stage() {
                  if [ -z "$env_whl" ]; then echo "=== $LANE""shapes-$b: no envelope wheel" | tee -a "$OUT_ROOT/summary.txt"; continue; fi
                  stage "shapes-$b" "${SHAPES_TIME:-240}" python3 tools/bench_shapes.py --base "$b" --pack "$env_whl" \
                    ${exact_whl:+--exact "$exact_whl"} --time-limit "$(( ${SHAPES_TIME:-240} - 60 ))" ${SHAPES_ARGS:-}
+               done ;;
+    overhead=*) # where a pack's eager forward spends host time stock's does not, op by op (tools/probe_overhead.py):
+               # the envelope wheel (SHAPES_PACK or an envelope=b stage's) and the exact one (build=b's). OVERHEAD_ARGS
+               local b env_whl exact_whl
+               for b in $(echo "${1#overhead=}" | tr + ' '); do
+                 env_whl=${SHAPES_PACK:-$(envelope_wheel "$b")}
+                 exact_whl=${SHAPES_EXACT:-$(ls "$packs_dir/$b"/*.whl 2>/dev/null | head -1)}
+                 if [ -z "$env_whl" ]; then echo "=== $LANE""overhead-$b: no envelope wheel" | tee -a "$OUT_ROOT/summary.txt"; continue; fi
+                 stage "overhead-$b" "${OVERHEAD_TIME:-120}" python3 tools/probe_overhead.py --base "$b" --pack "$env_whl" \
+                   ${exact_whl:+--exact "$exact_whl"} ${OVERHEAD_ARGS:-}
                done ;;
     graphs)    stage graphs "${GRAPHS_TIME:-300}" python3 tools/bench_graphs.py ;;
     fusion)    stage fusion "${FUSION_TIME:-300}" python3 tools/bench_fusion.py --budget-s "${FUSION_BUDGET_S:-230}" ;;

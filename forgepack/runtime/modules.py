@@ -371,6 +371,30 @@ class ModulePatches:
         row[3] += 1
         return None
 
+    def _quick(self, entries: list) -> tuple[int, int | None, frozenset] | None:
+        """A necessary condition a call must meet to be served, checked before anything else: (argument
+        position, leading dims or None for the whole size, the sizes it may have). Only for a target with
+        one site whose variants list their input sizes, taking that input as a positional argument.
+        Off its shapes a pack pays only this test (an exact pack's fused sites are called at every
+        other shape it serves: the whole guard there cost 5-6% of an H200 Llama-1B forward)."""
+        if len(entries) != 1:
+            return None
+        site, _, form = entries[0]
+        sizes = self.shapes.get(site.index)
+        if sizes is None or not isinstance(form, _Form):
+            return None
+        for k, (src, key) in enumerate(form.inputs):
+            if src == "arg":
+                return key, None, frozenset(shape[k] for shape in sizes)
+        return None
+
+    def _declined_quickly(self, site: Site) -> None:
+        """Counted as the site's missed call (before its facts were read: a module of the class whose
+        config facts differ counts here too)."""
+        row = self.counters.rows[site.index]
+        row[0] += 1
+        row[3] += 1
+
     def _serve(self, entries: list, module: Any, original: Callable, head: tuple, args: tuple, kwargs: dict) -> Any:
         """The first site whose facts hold and whose call form this call has: its kernel's outputs, or on
         a miss the original's (shown to the observer); the original's when no site takes the call.
@@ -393,9 +417,13 @@ class ModulePatches:
     def _function(self, original: Callable, sites: list[Site]) -> Callable:
         entries = [(s, (), _Form(s)) for s in sites]  # a free function has no module facts
         patches = self
+        quick = self._quick(entries)
 
         def guarded(*args, **kwargs):
             if _OFF in guarded.__dict__:
+                return original(*args, **kwargs)
+            if quick is not None and _off_shape(quick, args):
+                patches._declined_quickly(entries[0][0])
                 return original(*args, **kwargs)
             return patches._serve(entries, None, original, (), args, kwargs)
 
@@ -413,9 +441,13 @@ class ModulePatches:
 
     def _module_forward(self, cls: type, original: Callable, entries: list) -> Callable:
         patches = self
+        quick = self._quick(entries)
 
         def forward(module, *args, **kwargs):
             if type(module) is cls and not module.training and _OFF not in forward.__dict__:
+                if quick is not None and _off_shape(quick, args):
+                    patches._declined_quickly(entries[0][0])
+                    return original(module, *args, **kwargs)
                 return patches._serve(entries, module, original, (module,), args, kwargs)
             return original(module, *args, **kwargs)
 
@@ -428,6 +460,18 @@ class ModulePatches:
         compiling) and `missed` (no verified variant matched the inputs, or the kernel refused)."""
         return {s.index: dict(zip(("calls", "hits", "declined", "missed"), self.counters.rows[s.index], strict=True))
                 for s in self.sites}
+
+
+def _off_shape(quick: tuple[int, int | None, frozenset], args: tuple) -> bool:
+    """The call's argument at the quick test's position is a tensor of sizes no variant takes (its
+    leading dims, for a glue whose kernel inputs are children's outputs of the argument)."""
+    position, lead, sizes = quick
+    if len(args) <= position:
+        return False
+    t = args[position]
+    if not isinstance(t, torch.Tensor):
+        return False
+    return (t.shape if lead is None else t.shape[:-1]) not in sizes  # a torch.Size hashes as its tuple
 
 
 def _marked(patch: Callable, original: Callable) -> Callable:
@@ -467,10 +511,22 @@ class _Glue:
     chain: Callable[[dict, list], Any]
     finish: Callable[[dict, Any], Any] = lambda children, h: h
     in_place: bool = False
+    leading: bool = False  # the kernel's first input keeps the argument's leading dims (linear children)
+
+
+def _glue_quick(patches: ModulePatches, checks: list, glue: _Glue) -> tuple[int, int, frozenset] | None:
+    """`ModulePatches._quick` for a glue whose kernel inputs keep the argument's leading dims."""
+    sizes = patches.shapes.get(checks[0][0].index) if len(checks) == 1 and glue.leading else None
+    return None if sizes is None else (0, 1, frozenset(tuple(shape[0][:-1]) for shape in sizes))
 
 
 def _glue_forward(patches: ModulePatches, cls: type, original: Callable, checks: list, glue: _Glue) -> Callable:
+    quick = _glue_quick(patches, checks, glue)
+
     def forward(module, *args, **kwargs):
+        if quick is not None and type(module) is cls and _off_shape(quick, args):
+            patches._declined_quickly(checks[0][0])
+            return original(module, *args, **kwargs)
         site = _glue_site(forward, module, cls, args, kwargs, checks)
         if site is None:
             return original(module, *args, **kwargs)
@@ -514,7 +570,8 @@ def _residual_chain(mods: dict, tensors: list) -> Any:
 _GLUE_FORWARDS = {
     # `down_proj(act_fn(gate_proj(x)) * up_proj(x))`: act(gate) * up is the chain
     "gated_mlp": functools.partial(_glue_forward, glue=_Glue(
-        _gated_mlp_inputs, lambda mods, t: mods["act_fn"](t[0]) * t[1], lambda mods, h: mods["down_proj"](h))),
+        _gated_mlp_inputs, lambda mods, t: mods["act_fn"](t[0]) * t[1], lambda mods, h: mods["down_proj"](h),
+        leading=True)),
     # `activation(normalization(convolution(x)))` with an eval-mode batch norm: BN + act is the chain
     "conv_bn_act": functools.partial(_glue_forward, glue=_Glue(
         _conv_bn_inputs, lambda mods, t: mods["activation"](mods["normalization"](t[0])))),
