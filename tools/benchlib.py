@@ -57,9 +57,11 @@ def header_md(title: str, info: dict[str, Any]) -> str:
             f"- torch: {info['torch']} (CUDA {info['cuda']})\n- command: `{info['command']}`\n\n")
 
 
-def write(name: str, data: dict[str, Any], markdown: str) -> Path:
+def write(name: str, data: dict[str, Any], markdown: str, quiet: bool = False) -> Path:
+    """`<out>/results/<name>.json` and `.md`; the markdown printed too unless `quiet`."""
     folder = out_dir()
     (folder / f"{name}.json").write_text(json.dumps(data, indent=1, default=str) + "\n")
     (folder / f"{name}.md").write_text(markdown)
-    print(markdown)
+    if not quiet:
+        print(markdown)
     return folder

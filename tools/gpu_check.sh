@@ -189,6 +189,12 @@ lane() {
   for s in "$@"; do run_stage "$s"; done
 }
 
+# A second run in the same device call (two invocations chained in one command) adds to the first's bundle
+# instead of replacing it (session 12 lost a finished trace that way).
+for bundle in results packs; do
+  [ -f "$OUT_ROOT/$bundle.tar.gz" ] && tar -xzf "$OUT_ROOT/$bundle.tar.gz" -C "$OUT_ROOT" && rm -f "$OUT_ROOT/$bundle.tar.gz"
+done
+
 nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader | tee -a "$OUT_ROOT/summary.txt"
 python3 -c 'import torch, transformers; print("torch", torch.__version__, "cuda", torch.version.cuda, "transformers", transformers.__version__)' | tee -a "$OUT_ROOT/summary.txt"
 

@@ -131,8 +131,12 @@ def main(argv: list[str] | None = None) -> int:
             results.append(row)
             print(f"{shape.label}: wall ms stock {row['stock']['wall_ms']:.2f} "
                   + " ".join(f"{n} {row[n]['wall_ms']:.2f}" for n in packs), file=sys.stderr)
-    data = {**info, "base": recipe.to_dict(base), "wheels": wheels, "forwards": args.forwards, "shapes": results}
-    benchlib.write(f"probe_overhead-{recipe.slugify(base.name)}", data, markdown(info, base, wheels, results))
+            # after every shape: a run cut by a device call's limit keeps the shapes it finished
+            data = {**info, "base": recipe.to_dict(base), "wheels": wheels, "forwards": args.forwards,
+                    "shapes": results}
+            benchlib.write(f"probe_overhead-{recipe.slugify(base.name)}", data,
+                           markdown(info, base, wheels, results), quiet=True)
+    print(markdown(info, base, wheels, results))
     return 0
 
 
