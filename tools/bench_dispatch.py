@@ -10,6 +10,9 @@ What it measures, per call of `aten::silu` on a small tensor, in C++ loops (no P
 - a family variant kept for a sub-range (d1 in 80..96 of 64..96: issue 20), called at a size inside the
   verified range but outside the sub-range: the guard misses, checks the whole verified range once more
   and counts the call as `outside` (the costliest miss of a narrowed variant; target <= 0.5 us);
+- many: nine narrowed variants of the one op (sub-ranges of d1 that leave out HIT_SHAPE's), a call at
+  HIT_SHAPE served by none: every guard and every outside check (an envelope pack has up to nine
+  families of one op: Llama-1B's mul.Tensor);
 - hit vs stock: the same hit minus stock PyTorch's silu on that shape;
 - Python guard miss: a `torch.library` override written in Python (shape check, then the captured
   kernel's `call_boxed`), minus stock (measured about +6 us on this machine class);
@@ -51,6 +54,10 @@ FAMILY_NAMESPACE = "forgepack_dispatch_bench_family"
 FAMILY_POINTS = ((1, 64), (16, 96), (8, 64), (3, 80))  # folded into d0 in 1..16, d1 in 64..96
 SERVED_NAMESPACE = "forgepack_dispatch_bench_served"
 SERVED = (("d1", 80, 96),)  # the sub-range: HIT_SHAPE's d1 = 64 is verified but outside it
+MANY_NAMESPACE = "forgepack_dispatch_bench_many"
+# Nine narrowed variants of one op, none serving HIT_SHAPE: a real envelope pack has up to nine families of
+# one op (Llama-1B's mul.Tensor), and a call that none serves pays every guard and every outside check
+MANY = tuple((("d1", 64 + 3 * k, 65 + 3 * k),) for k in range(1, 10))
 TARGETS = {"miss_overhead_us": 0.5, "hit_overhead_over_direct_us": 0.3,
            "family_miss_overhead_us": 0.5, "family_late_miss_overhead_us": 0.5,
            "family_hit_overhead_over_direct_us": 0.3, "subrange_outside_miss_overhead_us": 0.5}
@@ -156,15 +163,16 @@ def family_card(device: torch.device):
 
 
 def build_family_pack(work: Path, device: torch.device, kernel: Path, served: tuple = (),
-                      namespace: str = FAMILY_NAMESPACE) -> Path:
+                      namespace: str = FAMILY_NAMESPACE, each: tuple = ()) -> Path:
+    """A pack of silu's family variant (narrowed to `served`), or of one variant per sub-range in `each`."""
     pack = work / namespace
     (pack / "kernels").mkdir(parents=True)
     shutil.copyfile(kernel, pack / "kernels" / "silu.so")
     card = family_card(device)
-    card = families.narrow(card, served) if served else card
-    variant = shimgen.ShimVariant(card, "kernels/silu.so", needs.aligned(card, 4))  # scalar float loads
+    cards = [families.narrow(card, s) for s in each] or [families.narrow(card, served) if served else card]
+    variants = [shimgen.ShimVariant(c, "kernels/silu.so", needs.aligned(c, 4)) for c in cards]  # scalar loads
     src = pack / "shim.cpp"
-    src.write_text(shimgen.generate([variant], namespace, device.type))
+    src.write_text(shimgen.generate(variants, namespace, device.type))
     shimgen.compile_shim(src, pack / "shim.so", [shimgen.SHIM_DIR, shimgen.ABI_DIR])
     return pack
 
@@ -205,8 +213,8 @@ def python_guard(device: torch.device):
     return lib
 
 
-def measure(device: torch.device, kernel: Path, family_pack: Path, served_pack: Path, calls: int, rounds: int,
-            stat: str = "median") -> dict[str, float]:
+def measure(device: torch.device, kernel: Path, family_pack: Path, served_pack: Path, many_pack: Path, calls: int,
+            rounds: int, stat: str = "median") -> dict[str, float]:
     loops = torch.ops.forgepack_dispatch_loops
     pack = getattr(torch.ops, NAMESPACE)
     family = getattr(torch.ops, FAMILY_NAMESPACE)
@@ -247,6 +255,9 @@ def measure(device: torch.device, kernel: Path, family_pack: Path, served_pack: 
     def with_served(fn):
         return with_pack(fn, getattr(torch.ops, SERVED_NAMESPACE), served_pack)
 
+    def with_many(fn):
+        return with_pack(fn, getattr(torch.ops, MANY_NAMESPACE), many_pack)
+
     def with_python_guard(fn):
         def run():
             lib = python_guard(device)
@@ -273,6 +284,8 @@ def measure(device: torch.device, kernel: Path, family_pack: Path, served_pack: 
         "backend_family_miss_strided": with_family(op(x_strided, loops.loop_backend)),
         "family_hit": with_family(op(x_hit)),
         "backend_subrange_outside": with_served(op(x_hit, loops.loop_backend)),
+        "backend_many_outside": with_many(op(x_hit, loops.loop_backend)),
+        "many_outside": with_many(op(x_hit)),
     }
     for fn in cases.values():  # warm-up: allocator pools, lazy init, first launches
         fn()
@@ -373,13 +386,15 @@ def main() -> int:
         pack_dir, loops_lib, kernel = build(Path(tmp), device)
         family_pack = build_family_pack(Path(tmp), device, kernel)
         served_pack = build_family_pack(Path(tmp), device, kernel, SERVED, SERVED_NAMESPACE)
+        many_pack = build_family_pack(Path(tmp), device, kernel, namespace=MANY_NAMESPACE, each=MANY)
         torch.ops.load_library(str(pack_dir / "shim.so"))
         torch.ops.load_library(str(family_pack / "shim.so"))
         torch.ops.load_library(str(served_pack / "shim.so"))
+        torch.ops.load_library(str(many_pack / "shim.so"))
         torch.ops.load_library(str(loops_lib))
         family = family_check(device, family_pack)
         served = served_check(device, served_pack)
-        t = measure(device, kernel, family_pack, served_pack, args.calls, args.rounds, args.stat)
+        t = measure(device, kernel, family_pack, served_pack, many_pack, args.calls, args.rounds, args.stat)
         graph = graph_check(device, kernel)
     result = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -403,6 +418,10 @@ def main() -> int:
         "family_hit_overhead_over_direct_us": t["backend_family_hit"] - t["direct_launch"],
         "family_hit_over_direct_full_dispatch_us": t["family_hit"] - t["direct_launch"],
         "subrange_outside_miss_overhead_us": t["backend_subrange_outside"] - t["backend_stock_hit_shape"],
+        # nine narrowed variants of the op, the call served by none (not a target: what an envelope pack's
+        # busiest op pays on a miss)
+        "many_outside_miss_overhead_us": t["backend_many_outside"] - t["backend_stock_hit_shape"],
+        "many_outside_miss_full_dispatch_us": t["many_outside"] - t["stock_hit_shape"],
         "family_guard": family,
         "subrange_guard": served,
         "targets": TARGETS,
@@ -431,6 +450,9 @@ def markdown(r: dict) -> str:
         ("hit over a direct kernel launch (full dispatch)", r["hit_overhead_over_direct_full_dispatch_us"], ""),
         ("hit vs stock silu (full dispatch)", r["hit_vs_stock_us"], ""),
         ("Python torch.library guard, miss over stock", r["python_guard_miss_overhead_us"], "(~6 measured)"),
+        ("nine narrowed variants, none serving the call, over stock (backend key)",
+         r["many_outside_miss_overhead_us"], ""),
+        ("the same through the full dispatch", r["many_outside_miss_full_dispatch_us"], ""),
     ]
     lines = [
         f"# Pack dispatch overhead: {r['device']}, torch {r['torch']}",
