@@ -756,3 +756,40 @@ def build(model: torch.nn.Module, run: Callable[[], Any], cap: Capture, device: 
     cards = (profile_cards(checked.cards, checked.samples, device, facts, total, op_cards) if facts is not None
              else checked.cards)
     return FusionResult(cards, checked.samples, checked.dropped, skipped)
+
+
+def build_points(model: torch.nn.Module, points: list[tuple[Capture, Callable[[], Any], int]], device: torch.device,
+                 facts: Any, op_cards: list[Card]) -> FusionResult:
+    """Fusion cards for a serving envelope: `build` at each capture point, (capture, run, prompt length)
+    triples, each capture taken with `functions=function_sites(model)`. Chains come from one shape's
+    dataflow, so these are exact-shape cards, one per distinct chain and signature over all the points
+    (calls summed). A decode step's chains have the same sizes at every cache length, so they serve every
+    decode step at the points' batch sizes; a chain with the point's prompt length among its sizes (a
+    prefill's) would serve only prompts of exactly that length, and is left out. A card any point found
+    unsafe stays dropped."""
+    cards: dict[str, Card] = {}
+    sample_sets: dict[str, list] = {}
+    dropped: dict[str, str] = {}
+    skipped: list[Skipped] = []
+    for cap, run, prompt in points:
+        candidates, skip = find(cap)
+        skipped += skip
+        checked = check_and_sample(model, run, [c for c in group(cap, candidates) if not _has_size(c, prompt)])
+        dropped.update(checked.dropped)
+        for card in checked.cards:
+            seen = cards.get(card.id)
+            if seen is None:
+                cards[card.id], sample_sets[card.id] = card, list(checked.samples[card.id])
+                continue
+            cards[card.id] = dataclasses.replace(seen, calls=seen.calls + card.calls)
+            room = samples_mod.MAX_SAMPLES_PER_CARD - len(sample_sets[card.id])
+            sample_sets[card.id] += checked.samples[card.id][:max(0, room)]
+    kept = [c for i, c in cards.items() if i not in dropped]
+    total = sum(c.profile.total_us for c in op_cards if c.profile)
+    profiled = profile_cards(kept, sample_sets, device, facts, total, op_cards) if facts is not None else kept
+    return FusionResult(profiled, {c.id: sample_sets[c.id] for c in kept}, dropped, skipped)
+
+
+def _has_size(card: Card, size: int) -> bool:
+    """Some tensor input of `card` has a dim of this size (1 and 0 never count: every shape has them)."""
+    return size > 1 and any(m is not None and size in m.shape for m in card.tensor_inputs())

@@ -185,14 +185,20 @@ def _scaled(member: Card, timed: dict[int, Profile], facts: devices.DeviceFacts)
                                headroom=eager / roof.us if roof.us > 0 else 1.0)
 
 
-def capture_envelope(lm: LoadedModel, note: Callable[[str, int, int], None]) -> capture_mod.Capture:
+def capture_envelope(lm: LoadedModel, note: Callable[[str, int, int], None],
+                     per_point: list | None = None) -> capture_mod.Capture:
     """Capture every point of a serving envelope (each prepared outside the capture) and fold the variants
-    that differ only in sizes into family cards; a family keeps its most-called member's samples."""
+    that differ only in sizes into family cards; a family keeps its most-called member's samples.
+    `per_point`, if given, receives each point's own capture (with its dataflow: fusion chains are
+    found in it), a callable that runs the point again, and its prompt length (0 if none)."""
     caps = []
+    functions = fusion.function_sites(lm.model)
     for i, point in enumerate(lm.points):
         note("capturing " + " ".join(f"{k} {v}" for k, v in point.sizes if v), i, len(lm.points))
         go = point.prepare()
-        caps.append(capture_mod.capture(lm.model, go))
+        caps.append(capture_mod.capture(lm.model, go, functions=functions))
+        if per_point is not None:
+            per_point.append((caps[-1], go, dict(point.sizes).get("seq_len", 0)))
     merged = capture_mod.merge(caps)
     folded = families.fold(merged.cards)
     sample_map = {c.id: merged.samples.get(variant_id(c.op, c.args) if c.family else c.id, []) for c in folded}
@@ -251,8 +257,9 @@ def run_profile(recipe: Recipe, workspace: Workspace, progress: Callable[[str, i
         lm.run()  # warm-up: lazy initialisation (caches, kernels) is not the model's work
         note("end to end", 0, 1)
         e2e_ms = end_to_end(lm, 30 if lm.device.type == "cuda" else 10)
+        per_point: list = []
         if lm.points:
-            cap = capture_envelope(lm, note)
+            cap = capture_envelope(lm, note, per_point)
         else:
             # the forward alone: resetting the cache is not its work; hot free functions recorded for fusion
             cap = capture_mod.capture(lm.model, lm.forward, functions=fusion.function_sites(lm.model))
@@ -273,9 +280,12 @@ def run_profile(recipe: Recipe, workspace: Workspace, progress: Callable[[str, i
         return out
 
     with models.quiet_transformers():
-        # fusion chains come from one shape's dataflow: an envelope's merged capture has none (not yet)
-        fused = (fusion.build(lm.model, forward_once, cap, lm.device, facts, cards) if not lm.points
-                 else fusion.FusionResult([], {}, {}, []))
+        # fusion chains come from one shape's dataflow: an envelope's come from each point's own capture
+        if lm.points:
+            note("fusion chains at each capture point", 0, 1)
+            fused = fusion.build_points(lm.model, per_point, lm.device, facts, cards)
+        else:
+            fused = fusion.build(lm.model, forward_once, cap, lm.device, facts, cards)
     cap.samples.update(fused.samples)
     kernel_ms = kernel_time_ms(lm) if lm.device.type == "cuda" else None
     busy = min(1.0, kernel_ms / e2e_ms) if kernel_ms is not None else None

@@ -31,6 +31,20 @@ def test_served_counts_every_kernel_of_an_op_once_against_its_calls(monkeypatch)
     assert bench_envelope.share(bench_envelope.served(before, after)) == pytest.approx(0.8)
 
 
+def test_fused_kernels_count_their_sites_calls_once_and_every_variants_hits(monkeypatch):
+    monkeypatch.syspath_prepend(str(TOOLS))
+    import bench_envelope
+
+    # two exact-size RMSNorm variants on one site (decode at batch 1 and at batch 2), 100 site calls
+    before = {"fusion_rmsnorm-a": {"op": "fusion.rmsnorm.default", "hits": 0, "misses": 0, "errors": 0, "sites": [0]},
+              "fusion_rmsnorm-b": {"op": "fusion.rmsnorm.default", "hits": 0, "misses": 0, "errors": 0, "sites": [0]}}
+    after = {"fusion_rmsnorm-a": {"op": "fusion.rmsnorm.default", "hits": 60, "misses": 40, "errors": 0, "sites": [0]},
+             "fusion_rmsnorm-b": {"op": "fusion.rmsnorm.default", "hits": 30, "misses": 70, "errors": 1, "sites": [0]},
+             "aten.mul.Tensor-Fa": {"op": "aten.mul.Tensor", "hits": 5, "misses": 5, "errors": 0}}
+    assert bench_envelope.fused_served(before, after) == {"fusion.rmsnorm.default": {"calls": 100, "hits": 90,
+                                                                                   "errors": 1}}
+
+
 def test_the_envelope_recipe_carries_the_build_knobs(monkeypatch):
     """A device call's build: a time limit, and for the served-share measurement every verified kernel
     kept (margin -0.99); left out, the base recipe's margin stands."""

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from forgepack import capture, families, models, profile, recipe
+from forgepack import capture, families, fusion, models, profile, recipe
 from forgepack.devices import facts
 from forgepack.workspace import Workspace
 
@@ -78,6 +78,33 @@ def test_generate_capture_folds_into_families_spanning_the_envelope(generate_cap
         spans = [None if t is None else t.span() for t in card.tensor_inputs()]  # samples are storage windows
         for inputs, _ in cap.samples[card.id]:
             assert [None if t is None else t.numel() for t in inputs] == spans
+
+
+def test_fusion_chains_are_found_at_every_capture_point_and_merged_by_signature():
+    """Chains come from one shape's dataflow: an envelope build fuses them per capture point, for that
+    point's exact sizes. A decode step's chains have the same sizes at every cache length, so the points'
+    batch sizes give one decode card each, its calls summed over the points that share it."""
+    r = _recipe(phase="generate", batch={"min": 1, "max": 3}, seq_len={"min": 4, "max": 16}, new_tokens=3)
+    per_point: list = []
+    with models.quiet_transformers():
+        lm = models.load(r)
+        profile.capture_envelope(lm, lambda *_: None, per_point)
+        result = fusion.build_points(lm.model, per_point, lm.device, None, [])
+    assert len(per_point) == len(lm.points) and not result.dropped
+    assert all(c.family is None for c in result.cards)  # exact-shape cards: folding chains is not done yet
+    hidden = lm.model.config.hidden_size
+    norms = [c for c in result.cards if c.fusion.pattern == "rmsnorm"]
+    # a prefill's chains would serve only prompts of exactly that length: left out, decode steps' kept
+    assert norms and all(c.tensor_inputs()[0].shape[1] == 1 for c in norms)
+    decode = {c.tensor_inputs()[0].shape: c for c in norms if c.tensor_inputs()[0].shape[1:] == (1, hidden)}
+    batches = sorted({dict(p.sizes)["batch"] for p in lm.points})
+    assert sorted(shape[0] for shape in decode) == batches
+    layers = lm.model.config.num_hidden_layers
+    one_point = (2 * layers + 1) * (r.workload.new_tokens - 1)  # every norm of every decode step of one point
+    shared = decode[(1, 1, hidden)]  # batch 1 is captured at more than one prompt length
+    points_at_1 = sum(1 for p in lm.points if dict(p.sizes)["batch"] == 1)
+    assert points_at_1 > 1 and shared.calls == points_at_1 * one_point
+    assert all(result.samples[c.id] for c in result.cards)
 
 
 def test_family_profile_is_weighted_over_the_envelope(generate_capture, monkeypatch):

@@ -156,6 +156,26 @@ def served(before: dict[str, dict], after: dict[str, dict]) -> dict[str, dict[st
     return out
 
 
+def fused_served(before: dict[str, dict], after: dict[str, dict]) -> dict[str, dict[str, int]]:
+    """Per fused pattern (`fusion.rmsnorm.default`, ...): the calls of its sites, and the hits of its
+    kernels, between two `stats()`. A site's calls are counted once however many variants it has."""
+    out: dict[str, dict[str, int]] = {}
+    sites: dict[str, set] = {}
+    for k, v in after.items():
+        if not str(v.get("op", "")).startswith("fusion."):
+            continue
+        b = before.get(k, {})
+        hits, misses = v.get("hits", 0) - b.get("hits", 0), v.get("misses", 0) - b.get("misses", 0)
+        row = out.setdefault(v["op"], {"calls": 0, "hits": 0, "errors": 0})
+        row["hits"] += hits
+        row["errors"] += v.get("errors", 0) - b.get("errors", 0)
+        key = tuple(v.get("sites", ()))
+        if key not in sites.setdefault(v["op"], set()):  # one variant's hits + misses = its sites' calls
+            sites[v["op"]].add(key)
+            row["calls"] += hits + misses
+    return out
+
+
 def first_difference(a: torch.Tensor, b: torch.Tensor, start: int) -> int | None:
     """The first generated step where any row differs (None: identical)."""
     if a.shape != b.shape:
@@ -185,7 +205,8 @@ def run_trace(lm, pack, trace: list[dict], seed: int) -> list[dict]:
         start = time.perf_counter()
         got = models.generate(lm.model, ids, request["new"], logits=True)
         pack_s = time.perf_counter() - start
-        per_op = served(before, pack.stats())
+        after = pack.stats()
+        per_op, fused = served(before, after), fused_served(before, after)
         pack.deactivate()
         agree = {}
         with torch.no_grad():
@@ -195,7 +216,7 @@ def run_trace(lm, pack, trace: list[dict], seed: int) -> list[dict]:
                 agree[side] = tally.summary()
         diff = first_difference(stock.sequences, got.sequences, ids.shape[1])
         rows.append({**request, "same": diff is None, "first_difference": diff, "stock_s": stock_s,
-                     "pack_s": pack_s, "ops": per_op, "agreement": agree})
+                     "pack_s": pack_s, "ops": per_op, "fused": fused, "agreement": agree})
         print(f"request {request['id']}: batch {request['batch']} prompt {request['prompt']} new {request['new']}: "
               f"{share(per_op):.1%} served, tokens {'as stock' if diff is None else f'differ from step {diff}'}; "
               f"max error/scale stock {agree['stock']['max_err_over_scale']:.4f} pack "
@@ -212,10 +233,10 @@ def worst(rows: list[dict], side: str) -> dict[str, float]:
     return {"max_err_over_scale": max(errs, default=0.0), "top1_clear": min(clear, default=1.0)}
 
 
-def total(rows: list[dict]) -> dict[str, dict[str, int]]:
+def total(rows: list[dict], field: str = "ops") -> dict[str, dict[str, int]]:
     out: dict[str, dict[str, int]] = {}
     for row in rows:
-        for op, d in row["ops"].items():
+        for op, d in row.get(field, {}).items():
             t = out.setdefault(op, {"calls": 0, "hits": 0, "errors": 0, "outside": 0})
             for f in t:
                 t[f] += d.get(f, 0)
@@ -250,6 +271,14 @@ def markdown(info: dict, r: recipe.Recipe, built: dict, rows: list[dict], ops: d
            f"{ws['max_err_over_scale']:.4f}, pack {wp['max_err_over_scale']:.4f}; top-1 where not a near-tie "
            f"stock {ws['top1_clear']:.2%}, pack {wp['top1_clear']:.2%}\n\n")
     md += families_md(built["families"]) if built.get("families") else ""
+    fused = total(rows, "fused")
+    if fused:
+        md += ("Fused kernels (module-level chains, exact sizes per capture point): their sites' calls and the "
+               "calls the kernels served; a served call replaces the chain's operator calls, which then do not "
+               "count above.\n\n")
+        md += tabulate([[op, d["calls"], d["hits"], f"{d['hits'] / d['calls']:.1%}" if d["calls"] else "-",
+                         d["errors"]] for op, d in sorted(fused.items())],
+                       headers=["fused op", "calls", "served", "share", "errors"], tablefmt="github") + "\n\n"
     md += tabulate([[op, d["calls"], d["hits"], f"{d['hits'] / d['calls']:.1%}" if d["calls"] else "-", d["errors"],
                      d.get("outside", 0)] for op, d in sorted(ops.items(), key=lambda kv: -kv[1]["calls"])],
                    headers=["op", "calls", "served", "share", "errors", "stock by sub-range"],
@@ -325,7 +354,8 @@ def main(argv: list[str] | None = None) -> int:
     ops = total(rows)
     data = {**info, "recipe": recipe.to_dict(r), "build": built, "trace": trace, "requests": rows, "ops": ops,
             "served": share(ops), "target": TARGET, "same_tokens": all(x["same"] for x in rows),
-            "agreement": {"stock": worst(rows, "stock"), "pack": worst(rows, "pack")}}
+            "agreement": {"stock": worst(rows, "stock"), "pack": worst(rows, "pack")},
+            "fused": total(rows, "fused")}
     benchlib.write(f"bench_envelope-{recipe.slugify(r.name)}", data, markdown(info, r, built, rows, ops))
     return 0
 
