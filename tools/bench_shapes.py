@@ -147,15 +147,27 @@ def parse_ints(text: str) -> list[int]:
     return [int(v) for v in text.split(",") if v.strip()]
 
 
+def add_grid_args(p: argparse.ArgumentParser, batches: str, prompts: str, caches: str) -> None:
+    """The base recipe, the target and the grid of shapes (`shapes`), as this tool and probe_overhead take them."""
+    p.add_argument("--base", default="llama-1b-decode", help="built-in recipe name or .toml: the model and its shape")
+    p.add_argument("--target", default=None, help="cpu or cuda (default: the base recipe's)")
+    p.add_argument("--batches", default=batches)
+    p.add_argument("--prompts", default=prompts, help="prefill shapes' prompt lengths")
+    p.add_argument("--caches", default=caches, help="decode shapes' KV cache lengths")
+
+
+def grid_of(args: argparse.Namespace) -> tuple[recipe.Recipe, list[Shape]]:
+    base = recipe.resolve(args.base)
+    if args.target:
+        base = base.replace(target={"device": args.target})
+    return base, shapes(base, parse_ints(args.batches), parse_ints(args.prompts), parse_ints(args.caches))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--base", default="llama-1b-decode", help="built-in recipe name or .toml: the model and its shape")
+    add_grid_args(p, "1,2,4,8", "16,256,2048", "16,512,2048")
     p.add_argument("--pack", required=True, help="the envelope pack's wheel")
     p.add_argument("--exact", default=None, help="the exact-shape pack's wheel (built for --base's own shape)")
-    p.add_argument("--target", default=None, help="cpu or cuda (default: the base recipe's)")
-    p.add_argument("--batches", default="1,2,4,8")
-    p.add_argument("--prompts", default="16,256,2048", help="prefill shapes' prompt lengths")
-    p.add_argument("--caches", default="16,512,2048", help="decode shapes' KV cache lengths")
     p.add_argument("--rounds", type=int, default=9)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--tolerance", type=float, default=TOLERANCE)
@@ -163,10 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
 
-    base = recipe.resolve(args.base)
-    if args.target:
-        base = base.replace(target={"device": args.target})
-    grid = shapes(base, parse_ints(args.batches), parse_ints(args.prompts), parse_ints(args.caches))
+    base, grid = grid_of(args)
     wheels = {"envelope": args.pack, **({"exact": args.exact} if args.exact else {})}
     info = benchlib.meta()
     start, rows, skipped = time.perf_counter(), [], []

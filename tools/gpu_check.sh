@@ -154,25 +154,23 @@ run_stage() {
                  [ -n "$whl" ] && [ "${ENVELOPE_TRACE:-1}" = 1 ] && stage "envelope-trace-$b" "${ENVELOPE_TIME:-240}" \
                    python3 tools/bench_envelope.py --base "$b" $env --pack "$whl" ${ENVELOPE_TRACE_ARGS:---requests 8}
                done ;;
-    shapes=*)  # issue 20's speed targets, per recipe: tools/bench_shapes.py with the envelope wheel under $OUT/packs (an
-               # envelope=b stage's; SHAPES_PACK: a carried one) and the exact pack a build=b stage made, if any
-               local b env_whl exact_whl
-               for b in $(echo "${1#shapes=}" | tr + ' '); do
+    shapes=*|overhead=*)
+               # shapes=b: issue 20's speed targets (tools/bench_shapes.py); overhead=b: where a pack's eager forward
+               # spends host time stock's does not, op by op (tools/probe_overhead.py). Both take the envelope wheel
+               # under $OUT/packs (an envelope=b stage's; SHAPES_PACK: a carried one) and the exact pack a build=b stage
+               # made, if any (SHAPES_EXACT: a carried one)
+               local b env_whl exact_whl kind=${1%%=*}
+               for b in $(echo "${1#*=}" | tr + ' '); do
                  env_whl=${SHAPES_PACK:-$(envelope_wheel "$b")}
                  exact_whl=${SHAPES_EXACT:-$(ls "$packs_dir/$b"/*.whl 2>/dev/null | head -1)}
-                 if [ -z "$env_whl" ]; then echo "=== $LANE""shapes-$b: no envelope wheel" | tee -a "$OUT_ROOT/summary.txt"; continue; fi
-                 stage "shapes-$b" "${SHAPES_TIME:-240}" python3 tools/bench_shapes.py --base "$b" --pack "$env_whl" \
-                   ${exact_whl:+--exact "$exact_whl"} --time-limit "$(( ${SHAPES_TIME:-240} - 60 ))" ${SHAPES_ARGS:-}
-               done ;;
-    overhead=*) # where a pack's eager forward spends host time stock's does not, op by op (tools/probe_overhead.py):
-               # the envelope wheel (SHAPES_PACK or an envelope=b stage's) and the exact one (build=b's). OVERHEAD_ARGS
-               local b env_whl exact_whl
-               for b in $(echo "${1#overhead=}" | tr + ' '); do
-                 env_whl=${SHAPES_PACK:-$(envelope_wheel "$b")}
-                 exact_whl=${SHAPES_EXACT:-$(ls "$packs_dir/$b"/*.whl 2>/dev/null | head -1)}
-                 if [ -z "$env_whl" ]; then echo "=== $LANE""overhead-$b: no envelope wheel" | tee -a "$OUT_ROOT/summary.txt"; continue; fi
-                 stage "overhead-$b" "${OVERHEAD_TIME:-120}" python3 tools/probe_overhead.py --base "$b" --pack "$env_whl" \
-                   ${exact_whl:+--exact "$exact_whl"} ${OVERHEAD_ARGS:-}
+                 if [ -z "$env_whl" ]; then echo "=== $LANE$kind-$b: no envelope wheel" | tee -a "$OUT_ROOT/summary.txt"; continue; fi
+                 if [ "$kind" = shapes ]; then
+                   stage "shapes-$b" "${SHAPES_TIME:-240}" python3 tools/bench_shapes.py --base "$b" --pack "$env_whl" \
+                     ${exact_whl:+--exact "$exact_whl"} --time-limit "$(( ${SHAPES_TIME:-240} - 60 ))" ${SHAPES_ARGS:-}
+                 else
+                   stage "overhead-$b" "${OVERHEAD_TIME:-120}" python3 tools/probe_overhead.py --base "$b" --pack "$env_whl" \
+                     ${exact_whl:+--exact "$exact_whl"} ${OVERHEAD_ARGS:-}
+                 fi
                done ;;
     graphs)    stage graphs "${GRAPHS_TIME:-300}" python3 tools/bench_graphs.py ;;
     fusion)    stage fusion "${FUSION_TIME:-300}" python3 tools/bench_fusion.py --budget-s "${FUSION_BUDGET_S:-230}" ;;

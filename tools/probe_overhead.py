@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import benchlib
-from bench_shapes import parse_ints, shapes
+from bench_shapes import add_grid_args, grid_of
 
 from forgepack import bench, models, modeltiming, recipe
 from forgepack.errors import ForgepackError
@@ -94,21 +94,14 @@ def markdown(info: dict, base: recipe.Recipe, wheels: dict[str, str], results: l
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--base", default="llama-1b-decode")
+    add_grid_args(p, "1,8", "16", "2048")
     p.add_argument("--pack", required=True, help="a pack's wheel (the envelope pack)")
     p.add_argument("--exact", default=None, help="a second pack's wheel (the exact-shape pack)")
-    p.add_argument("--target", default=None)
-    p.add_argument("--batches", default="1,8")
-    p.add_argument("--prompts", default="16")
-    p.add_argument("--caches", default="2048")
     p.add_argument("--shapes", default=None, help="comma-separated labels of the grid to probe (default: all)")
     p.add_argument("--forwards", type=int, default=20)
     args = p.parse_args(argv)
 
-    base = recipe.resolve(args.base)
-    if args.target:
-        base = base.replace(target={"device": args.target})
-    grid = shapes(base, parse_ints(args.batches), parse_ints(args.prompts), parse_ints(args.caches))
+    base, grid = grid_of(args)
     if args.shapes:
         wanted = [s.strip() for s in args.shapes.split(",")]
         grid = [s for s in grid if s.label in wanted]
