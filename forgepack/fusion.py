@@ -765,8 +765,9 @@ def build_points(model: torch.nn.Module, points: list[tuple[Capture, Callable[[]
     dataflow, so these are exact-shape cards, one per distinct chain and signature over all the points
     (calls summed). A decode step's chains have the same sizes at every cache length, so they serve every
     decode step at the points' batch sizes; a chain with the point's prompt length among its sizes (a
-    prefill's) would serve only prompts of exactly that length, and is left out. A card any point found
-    unsafe stays dropped."""
+    prefill's) would serve only prompts of exactly that length, and is left out (a decode chain with that
+    size by coincidence, a prompt as long as the head dim, is left out at that point only). A card any
+    point found unsafe stays dropped."""
     cards: dict[str, Card] = {}
     sample_sets: dict[str, list] = {}
     dropped: dict[str, str] = {}

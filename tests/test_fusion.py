@@ -658,7 +658,7 @@ def test_a_call_of_other_sizes_misses_before_the_fused_op_and_runs_the_original(
 
 def test_off_shape_calls_are_turned_away_before_the_guard_reads_anything_else(llama, monkeypatch):
     """Off its sizes a site costs one size test: an exact pack's fused sites are called at every other
-    shape it serves (the full Python guard there cost 5-6% of an H200 Llama-1B forward). The module and
+    shape it serves (the full Python guard there cost about 5% of an H200 Llama-1B forward). The module and
     the glue forms turn such a call away before the config facts are read; at the verified sizes the
     whole guard runs and the kernel is asked."""
     from transformers.models.llama import modeling_llama

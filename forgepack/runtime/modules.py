@@ -376,7 +376,7 @@ class ModulePatches:
         position, leading dims or None for the whole size, the sizes it may have). Only for a target with
         one site whose variants list their input sizes, taking that input as a positional argument.
         Off its shapes a pack pays only this test (an exact pack's fused sites are called at every
-        other shape it serves: the whole guard there cost 5-6% of an H200 Llama-1B forward)."""
+        other shape it serves: the whole guard there cost about 5% of an H200 Llama-1B forward)."""
         if len(entries) != 1:
             return None
         site, _, form = entries[0]
