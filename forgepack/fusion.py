@@ -48,7 +48,7 @@ import torch
 
 from forgepack import devices, opcall, roofline, timing
 from forgepack import samples as samples_mod
-from forgepack.capture import Capture, ModuleCall, fold_path
+from forgepack.capture import Capture, ModuleCall, fold_path, merge
 from forgepack.cards import (
     Arg,
     Card,
@@ -768,8 +768,7 @@ def build_points(model: torch.nn.Module, points: list[tuple[Capture, Callable[[]
     prefill's) would serve only prompts of exactly that length, and is left out (a decode chain with that
     size by coincidence, a prompt as long as the head dim, is left out at that point only). A card any
     point found unsafe stays dropped."""
-    cards: dict[str, Card] = {}
-    sample_sets: dict[str, list] = {}
+    found: list[Capture] = []
     dropped: dict[str, str] = {}
     skipped: list[Skipped] = []
     for cap, run, prompt in points:
@@ -777,18 +776,12 @@ def build_points(model: torch.nn.Module, points: list[tuple[Capture, Callable[[]
         skipped += skip
         checked = check_and_sample(model, run, [c for c in group(cap, candidates) if not _has_size(c, prompt)])
         dropped.update(checked.dropped)
-        for card in checked.cards:
-            seen = cards.get(card.id)
-            if seen is None:
-                cards[card.id], sample_sets[card.id] = card, list(checked.samples[card.id])
-                continue
-            cards[card.id] = dataclasses.replace(seen, calls=seen.calls + card.calls)
-            room = samples_mod.MAX_SAMPLES_PER_CARD - len(sample_sets[card.id])
-            sample_sets[card.id] += checked.samples[card.id][:max(0, room)]
-    kept = [c for i, c in cards.items() if i not in dropped]
+        found.append(Capture(checked.cards, checked.samples, [], 0))
+    merged = merge(found)  # as the operator cards of the points are: calls summed, the first samples kept
+    kept = [c for c in merged.cards if c.id not in dropped]
     total = sum(c.profile.total_us for c in op_cards if c.profile)
-    profiled = profile_cards(kept, sample_sets, device, facts, total, op_cards) if facts is not None else kept
-    return FusionResult(profiled, {c.id: sample_sets[c.id] for c in kept}, dropped, skipped)
+    profiled = profile_cards(kept, merged.samples, device, facts, total, op_cards) if facts is not None else kept
+    return FusionResult(profiled, {c.id: merged.samples[c.id] for c in kept}, dropped, skipped)
 
 
 def _has_size(card: Card, size: int) -> bool:
