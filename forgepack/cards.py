@@ -307,6 +307,12 @@ class ChainEntry:
                    tuple(_meta(m) for m in d.get("outs", ())))
 
 
+def chain_digest(chain: Iterable[ChainEntry], outputs: Iterable[tuple]) -> str:
+    """Over the chain's JSON (`ChainEntry.to_json`): a card's id does not change with how it is held."""
+    text = json.dumps({"chain": [e.to_json() for e in chain], "outputs": [list(r) for r in outputs]}, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
 def _layout_json(m: TensorMeta) -> dict[str, Any]:
     """A chain output as the card's JSON holds it: the layout, no value statistics."""
     return {"dtype": m.dtype, "shape": list(m.shape), "stride": list(m.stride), "storage_offset": m.storage_offset,

@@ -18,6 +18,13 @@ non-tensor values at different sizes. `fold` turns such a group into one family 
 - a size only an output has is a derived dim, the sum of input dims plus a constant (a cat's length:
   the decode cache's past + 1), computed once the inputs bind its base dims.
 
+Fusion cards fold too: the same chain (ops, non-tensor values, dtypes and ranks of every value) found
+at several points, at sizes that differ (a decode step's RMSNorm at each batch, a prefill's at each
+prompt length). A chain value that holds a size (a `view`'s shape) differs between points, so such a
+chain is no family. A member's chain values are laid out as the chain's replay on the meta device
+says (`opcall.chain_layouts`); a family folded from profiled members sums their profiles, and each
+point's weight is its member's share of the family's time.
+
 `member(card, values)` gives the concrete card at any dim values: what verification, benchmarks and
 tests run. A family card's own `args`/`outputs` are its most-called member, so every stage that reads
 a concrete card keeps working on it.
@@ -32,7 +39,7 @@ import random
 from collections import defaultdict
 from collections.abc import Iterable
 
-from forgepack.cards import FREE_STRIDE, Card, Dim, Family, Layout, TensorMeta
+from forgepack.cards import FREE_STRIDE, Card, Dim, Family, Layout, Profile, TensorMeta, chain_digest
 
 MAX_STRIDE_DIMS = 3  # a stride is explained by at most this many dims (a 4-d view's outermost stride)
 
@@ -59,15 +66,37 @@ def _group_key(card: Card) -> tuple:
     return (card.op, card.schema, card.kind, tuple(fixed), outs)
 
 
+def _fusion_key(card: Card) -> tuple:
+    """What must be equal for two fusion cards to be one family: the chain but for its sizes (each entry's
+    op, tensor references and non-tensor values, its outputs' dtypes and ranks), what it returns, its
+    inputs' and outputs' dtypes, ranks and devices."""
+    chain = tuple((e.op, tuple((a.name, a.kind, a.ref, a.refs, repr(a.value)) for a in e.args),
+                   tuple((m.dtype, len(m.shape)) for m in e.outs)) for e in card.chain)
+    tensors = tuple(None if m is None else (m.dtype, len(m.shape), m.device) for m in _tensors(card))
+    return ("fusion", card.op, card.schema, card.fusion.outputs, chain, tensors)
+
+
 def fold(cards: Iterable[Card], min_members: int = 2) -> list[Card]:
     """Cards with variants that differ only in sizes folded into family cards; the rest unchanged.
 
-    Fusion cards and groups of fewer than `min_members` stay as they are, and so does a group whose
-    layouts `explain` cannot account for (it is served exactly, as before)."""
+    Groups of fewer than `min_members` stay as they are, and so does a group whose layouts `explain`
+    cannot account for (it is served exactly, as before)."""
+    return [card for card, _ in fold_members(cards, min_members)]
+
+
+def fold_members(cards: Iterable[Card], min_members: int = 2) -> list[tuple[Card, list[Card]]]:
+    """`fold`, each card with the cards it was folded from (a card left as it was: itself alone)."""
     groups: dict[tuple, list[Card]] = defaultdict(list)
     order: list[tuple] = []
     for card in cards:
-        key = _group_key(card) if card.kind == "op" and card.family is None else ("single", card.id)
+        if card.family is not None:
+            key = ("single", card.id)
+        elif card.kind == "op":
+            key = _group_key(card)
+        elif card.kind == "fusion" and card.fusion is not None:
+            key = _fusion_key(card)
+        else:
+            key = ("single", card.id)
         if key not in groups:
             order.append(key)
         groups[key].append(card)
@@ -75,7 +104,8 @@ def fold(cards: Iterable[Card], min_members: int = 2) -> list[Card]:
     for key in order:
         for members in _clusters(groups[key]) if key[0] != "single" else [groups[key]]:
             family = explain(members) if len(members) >= min_members else None
-            out.extend([_family_card(members, family)] if family is not None else members)
+            out.extend([(_family_card(members, family), members)] if family is not None else
+                       [(m, [m]) for m in members])
     return out
 
 
@@ -201,11 +231,43 @@ def _stride_rule(strides: list[int], sizes: list[int], dims: dict[str, tuple[int
     return None
 
 
+MAX_FUSION_SITES = 8  # forgepack.fusion.MAX_SITES_PER_CARD
+
+
 def _family_card(members: list[Card], family: Family) -> Card:
     rep = max(members, key=lambda c: c.calls)
     calls = sum(c.calls for c in members)
     modules = tuple(dict.fromkeys(m for c in members for m in c.modules))[:6]
-    return dataclasses.replace(rep, family=family, calls=calls, modules=modules)
+    extra: dict = {}
+    if rep.fusion is not None:
+        sites = []
+        for s in (s for c in members for s in c.fusion.sites):  # sites hold dicts: no hashing
+            if s not in sites and len(sites) < MAX_FUSION_SITES:
+                sites.append(s)
+        extra["fusion"] = dataclasses.replace(rep.fusion, sites=tuple(sites))
+    if all(c.profile is not None for c in members):
+        extra["profile"], weights = _summed_profile(members)
+        family = dataclasses.replace(family, point_weights=weights)
+    return dataclasses.replace(rep, family=family, calls=calls, modules=modules, **extra)
+
+
+def _summed_profile(members: list[Card]) -> tuple[Profile, tuple[float, ...]]:
+    """The family's profile from its members' (each at its own point, calls as captured there): per-call
+    figures over the envelope, totals summed; and each point's share of the family's time."""
+    calls = sum(c.calls for c in members) or 1
+    total = sum(c.profile.total_us for c in members)
+
+    def per_call(attr: str) -> float:
+        return sum(c.calls * getattr(c.profile, attr) for c in members) / calls
+
+    roof = per_call("roofline_us")
+    rep = max(members, key=lambda c: c.calls).profile
+    profile = Profile(eager_us=total / calls, total_us=total, share=sum(c.profile.share for c in members),
+                      bytes=round(per_call("bytes")), flops=round(per_call("flops")), roofline_us=roof,
+                      headroom=(total / calls) / roof if roof > 0 else 1.0, baseline=rep.baseline,
+                      kernels=rep.kernels)
+    weights = tuple(c.profile.total_us / total if total > 0 else 1 / len(members) for c in members)
+    return profile, weights
 
 
 # --- unfold -----------------------------------------------------------------------------------------------
@@ -247,7 +309,24 @@ def member(card: Card, values: dict[str, int]) -> Card:
                 next(layouts)
             args.append(a)
     outputs = tuple(layout_meta(lay, o, values) for lay, o in zip(family.outputs, card.outputs, strict=True))
-    return dataclasses.replace(card, args=tuple(args), outputs=outputs, family=None, samples=0)
+    out = dataclasses.replace(card, args=tuple(args), outputs=outputs, family=None, samples=0)
+    return _member_chain(out) if card.chain else out
+
+
+def _member_chain(card: Card) -> Card:
+    """A fusion member with its chain's values laid out at its sizes (the replay on the meta device), and
+    its chain argument the digest of that chain, as a card captured at these sizes would have."""
+    from forgepack import opcall
+
+    layouts = opcall.chain_layouts(card)
+    chain = tuple(dataclasses.replace(e, outs=tuple(dataclasses.replace(m, shape=shape, stride=stride,
+                                                                        storage_offset=offset)
+                                                    for m, (shape, stride, offset) in zip(e.outs, outs, strict=True)))
+                  for e, outs in zip(card.chain, layouts, strict=True))
+    digest = chain_digest(chain, card.fusion.outputs)
+    args = tuple(dataclasses.replace(a, value=digest) if a.name == "chain" and a.kind == "value" else a
+                 for a in card.args)
+    return dataclasses.replace(card, args=args, chain=chain)
 
 
 def complete(family: Family, values: dict[str, int]) -> dict[str, int]:

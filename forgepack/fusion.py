@@ -36,7 +36,6 @@ of its operators), which made fusion shares sum past 100% and the search's estim
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import sys
 from collections import Counter
@@ -46,7 +45,7 @@ from typing import Any
 
 import torch
 
-from forgepack import devices, opcall, roofline, timing
+from forgepack import devices, families, opcall, roofline, templates, timing
 from forgepack import samples as samples_mod
 from forgepack.capture import Capture, ModuleCall, fold_path, merge
 from forgepack.cards import (
@@ -59,7 +58,9 @@ from forgepack.cards import (
     Profile,
     TensorMeta,
     by_output,
+    chain_digest,
     output_key,
+    variant_id,
 )
 from forgepack.runtime import modules as rt
 from forgepack.runtime import opclasses, stockcall
@@ -497,12 +498,6 @@ def _arg_names(site: FusionSite, n: int) -> list[str]:
     return names[:n]
 
 
-def chain_digest(chain: list[ChainEntry], outputs: list[tuple]) -> str:
-    """Over the chain's JSON (`ChainEntry.to_json`): a card's id does not change with how it is held."""
-    text = json.dumps({"chain": [e.to_json() for e in chain], "outputs": [list(r) for r in outputs]}, sort_keys=True)
-    return hashlib.sha256(text.encode()).hexdigest()[:12]
-
-
 def make_card(cap: Capture, cand: Candidate) -> Card:
     chain = chain_entries(cap, cand)
     local = {i: p for p, i in enumerate(cand.calls)}
@@ -762,26 +757,37 @@ def build_points(model: torch.nn.Module, points: list[tuple[Capture, Callable[[]
                  facts: Any, op_cards: list[Card]) -> FusionResult:
     """Fusion cards for a serving envelope: `build` at each capture point, (capture, run, prompt length)
     triples, each capture taken with `functions=function_sites(model)`. Chains come from one shape's
-    dataflow, so these are exact-shape cards, one per distinct chain and signature over all the points
-    (calls summed). A decode step's chains have the same sizes at every cache length, so they serve every
-    decode step at the points' batch sizes; a chain with the point's prompt length among its sizes (a
-    prefill's) would serve only prompts of exactly that length, and is left out (a decode chain with that
-    size by coincidence, a prompt as long as the head dim, is left out at that point only). A card any
-    point found unsafe stays dropped."""
+    dataflow: each point gives exact-shape cards (calls summed over the points where the same card
+    recurs), each profiled; then the same chain at different sizes folds into a family card
+    (`families.fold`: a decode step's RMSNorm at every batch, a prefill's at every prompt length).
+    A chain that does not fold stays exact: a decode step's still serves every decode step at its
+    batch, but one with its point's prompt length among its sizes (a prefill's) would serve only
+    prompts of exactly that length, and is left out. A card any point found unsafe stays dropped."""
     found: list[Capture] = []
     dropped: dict[str, str] = {}
     skipped: list[Skipped] = []
+    prefill_only: set[str] = set()
+    elsewhere: set[str] = set()
     for cap, run, prompt in points:
         candidates, skip = find(cap)
         skipped += skip
-        checked = check_and_sample(model, run, [c for c in group(cap, candidates) if not _has_size(c, prompt)])
+        checked = check_and_sample(model, run, group(cap, candidates))
         dropped.update(checked.dropped)
+        for c in checked.cards:
+            (prefill_only if _has_size(c, prompt) else elsewhere).add(c.id)
         found.append(Capture(checked.cards, checked.samples, [], 0))
     merged = merge(found)  # as the operator cards of the points are: calls summed, the first samples kept
     kept = [c for c in merged.cards if c.id not in dropped]
     total = sum(c.profile.total_us for c in op_cards if c.profile)
     profiled = profile_cards(kept, merged.samples, device, facts, total, op_cards) if facts is not None else kept
-    return FusionResult(profiled, {c.id: merged.samples[c.id] for c in kept}, dropped, skipped)
+    cards = []
+    for card, members in families.fold_members(profiled):
+        # a family no template renders size-generic (rotary's index math) is served as its exact members
+        exact = members if card.family is not None and not templates.templates_for(card, device.type) else [card]
+        cards += [c for c in exact if c.family is not None or c.id not in prefill_only or c.id in elsewhere]
+    # a family keeps its most-called member's samples (its args are that member's)
+    samples = {c.id: merged.samples[variant_id(c.op, c.args) if c.family else c.id] for c in cards}
+    return FusionResult(cards, samples, dropped, skipped)
 
 
 def _has_size(card: Card, size: int) -> bool:

@@ -98,6 +98,21 @@ def run_chain(card: Card, tensors: list[torch.Tensor | None], device: torch.devi
     return chain_plan(card, torch.device(device))(tensors)
 
 
+def chain_layouts(card: Card) -> list[list[tuple[tuple[int, ...], tuple[int, ...], int]]]:
+    """Each chain entry's outputs as (sizes, strides, storage offset) at the card's input sizes: the chain
+    replayed on the meta device (what a family member's chain looks like at sizes no capture saw)."""
+    tensors = []
+    for m in card.tensor_inputs():
+        if m is None:
+            tensors.append(None)
+            continue
+        base = torch.empty(m.storage_offset + m.span(), dtype=getattr(torch, m.dtype), device="meta")
+        tensors.append(base.as_strided(m.shape, m.stride, m.storage_offset))
+    plan = ChainPlan(card, torch.device("meta"))
+    return [[(tuple(t.shape), tuple(t.stride()), t.storage_offset()) for t in outs]
+            for outs in plan.values(tensors)]
+
+
 class ChainPlan:
     """A chain with its ops resolved and its non-tensor arguments decoded once, so that a replay costs
     the aten calls and little else (profiling times replays)."""
@@ -125,6 +140,14 @@ class ChainPlan:
         self.outputs = card.fusion.outputs
 
     def __call__(self, tensors: list[torch.Tensor | None]) -> list[torch.Tensor]:
+        inputs, values = self._run(tensors)  # an input written in place is a clone in `inputs`
+        return [inputs[r[1]] if r[0] == "in" else values[r[1]][r[2]] for r in self.outputs]
+
+    def values(self, tensors: list[torch.Tensor | None]) -> list[list[torch.Tensor]]:
+        """Every chain entry's outputs, in chain order."""
+        return self._run(tensors)[1]
+
+    def _run(self, tensors: list[torch.Tensor | None]) -> tuple[list, list[list[torch.Tensor]]]:
         values: list[list[torch.Tensor]] = []
         inputs = list(tensors)
         cloned: set[int] = set()
@@ -146,7 +169,7 @@ class ChainPlan:
         for func, positional, keyword in self.steps:
             out = func(*[arg(i) for i in positional], **{k: arg(i) for k, i in keyword})
             values.append(stockcall.flatten_outputs(out))
-        return [get(r) for r in self.outputs]
+        return inputs, values
 
 
 _PLANS: dict[tuple[str, str], ChainPlan] = {}

@@ -80,10 +80,12 @@ def test_generate_capture_folds_into_families_spanning_the_envelope(generate_cap
             assert [None if t is None else t.numel() for t in inputs] == spans
 
 
-def test_fusion_chains_are_found_at_every_capture_point_and_merged_by_signature():
-    """Chains come from one shape's dataflow: an envelope build fuses them per capture point, for that
-    point's exact sizes. A decode step's chains have the same sizes at every cache length, so the points'
-    batch sizes give one decode card each, its calls summed over the points that share it."""
+def test_fusion_chains_fold_into_families_over_the_capture_points():
+    """Chains come from one shape's dataflow: an envelope build finds them at each capture point, then
+    folds the same chain at different sizes into a family (`families.fold`). RMSNorm and the gated
+    activation become one family each, over decode steps and prefills alike (batch x tokens). Rotary's
+    indexed program has no size-generic kernel: it stays exact, one card per decode batch (a prefill's
+    would serve only its own prompt length and is left out), its calls summed over the points that share it."""
     r = _recipe(phase="generate", batch={"min": 1, "max": 3}, seq_len={"min": 4, "max": 16}, new_tokens=3)
     per_point: list = []
     with models.quiet_transformers():
@@ -91,17 +93,24 @@ def test_fusion_chains_are_found_at_every_capture_point_and_merged_by_signature(
         profile.capture_envelope(lm, lambda *_: None, per_point)
         result = fusion.build_points(lm.model, per_point, lm.device, None, [])
     assert len(per_point) == len(lm.points) and not result.dropped
-    assert all(c.family is None for c in result.cards)  # exact-shape cards: folding chains is not done yet
     hidden = lm.model.config.hidden_size
-    norms = [c for c in result.cards if c.fusion.pattern == "rmsnorm"]
-    # a prefill's chains would serve only prompts of exactly that length: left out, decode steps' kept
-    assert norms and all(c.tensor_inputs()[0].shape[1] == 1 for c in norms)
-    decode = {c.tensor_inputs()[0].shape: c for c in norms if c.tensor_inputs()[0].shape[1:] == (1, hidden)}
-    batches = sorted({dict(p.sizes)["batch"] for p in lm.points})
-    assert sorted(shape[0] for shape in decode) == batches
     layers = lm.model.config.num_hidden_layers
-    one_point = (2 * layers + 1) * (r.workload.new_tokens - 1)  # every norm of every decode step of one point
-    shared = decode[(1, 1, hidden)]  # batch 1 is captured at more than one prompt length
+    batches = sorted({dict(p.sizes)["batch"] for p in lm.points})
+    prompts = sorted({dict(p.sizes)["seq_len"] for p in lm.points})
+    (norm,) = [c for c in result.cards if c.fusion.pattern == "rmsnorm"]
+    assert norm.family is not None
+    assert [(d.min, d.max) for d in norm.family.dims] == [(min(batches), max(batches)), (1, max(prompts))]
+    assert norm.family.inputs[0].shape == ("d0", "d1", hidden)
+    # every norm of every forward of every point: the prefill and each decode step
+    assert norm.calls == len(lm.points) * (2 * layers + 1) * r.workload.new_tokens
+    assert len(norm.family.points) == len(norm.family.point_calls) == len({(p[0][1], p[1][1]) for p in norm.family.points})
+    (act,) = [c for c in result.cards if c.fusion.pattern == "gated_act"]
+    assert act.family is not None and act.family.inputs[0].shape[-1] == lm.model.config.intermediate_size
+    rotary = [c for c in result.cards if c.fusion.pattern == "rotary"]
+    assert rotary and all(c.family is None and c.tensor_inputs()[0].shape[2] == 1 for c in rotary)
+    assert sorted(c.tensor_inputs()[0].shape[0] for c in rotary) == batches
+    one_point = layers * (r.workload.new_tokens - 1)  # every rotary of every decode step of one point
+    shared = next(c for c in rotary if c.tensor_inputs()[0].shape[0] == 1)  # batch 1: several prompt lengths
     points_at_1 = sum(1 for p in lm.points if dict(p.sizes)["batch"] == 1)
     assert points_at_1 > 1 and shared.calls == points_at_1 * one_point
     assert all(result.samples[c.id] for c in result.cards)

@@ -463,7 +463,7 @@ def llama_pack(llama, tmp_path_factory):
         result = compile_kernel(source, "cpu")
         assert result.ok, result.log
         (root / f"{card.id}.cpp").write_text(source)
-        items.append((card, Path(result.binary), root / f"{card.id}.cpp"))
+        items.append((card, Path(result.binary), root / f"{card.id}.cpp", None))
     pkg = root / "pkg"
     fusedgen.stage(pkg, items, "forgepack_test_fusion", "cpu")
     pack = rt.PackModules.read(pkg)
@@ -740,7 +740,7 @@ def test_cuda_fused_kernels_pass_the_verifier_and_serve_the_models(tmp_path):
                     v = ev.evaluate(card, source, samples_path=path, bench=False)
                     assert v.accepted, (card.id, t.name, v.category, v.reason)
                 (tmp_path / f"{card.id}.cu").write_text(source)
-                items.append((card, Path(v.binary), tmp_path / f"{card.id}.cu"))
+                items.append((card, Path(v.binary), tmp_path / f"{card.id}.cu", None))
     pkg = tmp_path / "pkg"
     fusedgen.stage(pkg, items, "forgepack_test_fusion_gpu", "cuda")
     pack = rt.PackModules.read(pkg)

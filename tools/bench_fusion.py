@@ -78,7 +78,7 @@ class Built:
     samples: dict = dataclasses.field(default_factory=dict)
     dropped: dict = dataclasses.field(default_factory=dict)
     kernels: list = dataclasses.field(default_factory=list)  # rows for the kernel table
-    chosen: list = dataclasses.field(default_factory=list)  # (card, binary, source path)
+    chosen: list = dataclasses.field(default_factory=list)  # (card, binary, source path, needs: None, the default)
 
 
 # --- build -----------------------------------------------------------------------------------------------
@@ -164,7 +164,7 @@ def build_kernels(built: list[Built], target: str, folder: Path, workers: int, e
             if best is None or us < best[0]:
                 best = (us, binary, src, row)
         best[3]["chosen"] = True
-        b.chosen.append((card, best[1], best[2]))
+        b.chosen.append((card, best[1], best[2], None))
 
 
 def stage_all(built: list[Built], target: str, folder: Path) -> rt.PackModules | None:

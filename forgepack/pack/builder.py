@@ -246,8 +246,8 @@ def stage(ws: Workspace, recipe: Recipe, chosen: list[_Chosen], root: Path, vers
             shimgen.compile_shim(pkg / "sources" / "shim.cpp", pkg / SHIM_LIBRARY, [pkg / "sources"])
         spec = {}
         if fusions:  # kernels/, sources/, shim/libforgepack_fused.so, modules.json (digested like the rest)
-            spec = fusedgen.stage(pkg, [(c.card, ws.root / c.kernel.binary, ws.root / c.kernel.source)
-                                        for c in fusions], namespace, target, title=name)
+            items = [(c.card, ws.root / c.kernel.binary, ws.root / c.kernel.source, c.kernel.needs) for c in fusions]
+            spec = fusedgen.stage(pkg, items, namespace, target, title=name)
     except RuntimeError as err:
         raise ForgepackError(str(err).splitlines()[0] + " " + " | ".join(str(err).splitlines()[1:3])) from None
     files = tuple(PackFile(str(p.relative_to(pkg)), file_sha256(p), p.stat().st_size)

@@ -31,7 +31,9 @@ from pathlib import Path
 from typing import Any
 
 from forgepack import fusion
+from forgepack import needs as needs_mod
 from forgepack.cards import Card
+from forgepack.needs import Align, Needs
 from forgepack.pack import shimgen
 from forgepack.runtime import modules as rt
 
@@ -45,6 +47,10 @@ MAX_INPUTS = 32
 class FusedVariant:
     card: Card
     kernel_file: str  # e.g. "kernels/fusion_rmsnorm-1a2b3c4d5e.so", relative to the package directory
+    needs: Needs | None = None  # what the kernel states it needs (a family kernel's guard checks exactly that)
+
+    def stated_needs(self) -> Needs:
+        return self.needs if self.needs is not None else needs_mod.default(self.card)
 
 
 def check_supported(card: Card, target: str) -> None:
@@ -85,8 +91,46 @@ def spec(variants: list[FusedVariant], namespace: str, target: str) -> dict[str,
         "sites": [s.to_json() for s in sites],
         "variants": [{"id": v.card.id, "op": v.card.op, "signature": v.card.signature(), "calls": v.card.calls,
                       "sites": site_of[v.card.id], "kernel": files[v.card.id],
-                      "shapes": [list(m.shape) for m in v.card.tensor_inputs()]} for v in variants],
+                      **_shapes(v.card)} for v in variants],
     }
+
+
+def _shapes(card: Card) -> dict[str, Any]:
+    """An exact variant's input sizes, for the runtime's quick size test (`runtime/modules.site_shapes`); a
+    family variant lists none, so its site's calls all reach the guard, which binds the family's dims."""
+    return {} if card.family is not None else {"shapes": [list(m.shape) for m in card.tensor_inputs()]}
+
+
+def _variant_specs(k: int, v: FusedVariant) -> tuple[list[str], str]:
+    """(constants, table entry) of variant k: exact tensor specs, or a family's specs, dim ranges and the
+    check of its derived dims and the kernel's divisibility needs once every input bound its dims."""
+    card = v.card
+    n_in, n_out = len(card.tensor_inputs()), len(card.outputs)
+    head = f"{shimgen.cpp_string(card.id)}, {shimgen.cpp_string(v.kernel_file)}"
+    lines = [f"// variant {k}: {card.id}  {card.signature()}"]
+    fam = card.family
+    if fam is None:
+        for i, m in enumerate(card.tensor_inputs()):
+            lines += shimgen._meta_constants(f"f{k}_in{i}", m)
+        for j, m in enumerate(card.outputs):
+            lines += shimgen._meta_constants(f"f{k}_out{j}", m)
+        lines.append(f"constexpr fpg::TensorSpec f{k}_ins[] = {{{', '.join(f'f{k}_in{i}' for i in range(n_in))}}};")
+        lines.append(f"constexpr fpg::TensorSpec f{k}_outs[] = {{{', '.join(f'f{k}_out{j}' for j in range(n_out))}}};")
+        return lines, f"{{{head}, f{k}_ins, {n_in}, f{k}_outs, {n_out}, nullptr, nullptr, nullptr, nullptr}},"
+    needs = v.stated_needs()
+    needs_mod.validate(needs, card)
+    lines.append(f"// family: {card.family_text()}")
+    ranges = ", ".join("{{{}, {}}}".format(*fam.served_range(d.name)) for d in fam.dims)
+    lines.append(f"constexpr fpg::DimRange f{k}_ranges[] = {{{ranges}}};")
+    for i, (m, layout) in enumerate(zip(card.tensor_inputs(), fam.inputs, strict=True)):
+        lines += shimgen._family_constants(f"f{k}_in{i}", m, layout, fam, needs.align[i])
+    for j, (m, layout) in enumerate(zip(card.outputs, fam.outputs, strict=True)):
+        lines += shimgen._family_constants(f"f{k}_out{j}", m, layout, fam, Align())
+    lines.append(f"constexpr fpg::FamilySpec f{k}_ins[] = {{{', '.join(f'f{k}_in{i}' for i in range(n_in))}}};")
+    lines.append(f"constexpr fpg::FamilySpec f{k}_outs[] = {{{', '.join(f'f{k}_out{j}' for j in range(n_out))}}};")
+    checks = shimgen._derive_checks(fam, "dv", f"f{k}_ranges") + shimgen._size_checks(card, needs, "dv")
+    lines.append(f"bool f{k}_dims(int64_t* dv) {{ (void)dv; return {' && '.join(checks) or 'true'}; }}")
+    return lines, f"{{{head}, nullptr, {n_in}, nullptr, {n_out}, f{k}_ins, f{k}_outs, f{k}_ranges, f{k}_dims}},"
 
 
 def generate(variants: list[FusedVariant], namespace: str, target: str, title: str = "") -> str:
@@ -116,20 +160,12 @@ def generate(variants: list[FusedVariant], namespace: str, target: str, title: s
         "",
     ]
     table = []
+    max_dims = max([len(v.card.family.dims) for v in variants if v.card.family is not None] + [1])
+    lines.append(f"constexpr int kMaxDims = {max_dims};")
     for k, v in enumerate(variants):
-        card = v.card
-        lines.append(f"// variant {k}: {card.id}  {card.signature()}")
-        ins, outs = [], []
-        for i, m in enumerate(card.tensor_inputs()):
-            lines += shimgen._meta_constants(f"f{k}_in{i}", m)
-            ins.append(f"f{k}_in{i}")
-        for j, m in enumerate(card.outputs):
-            lines += shimgen._meta_constants(f"f{k}_out{j}", m)
-            outs.append(f"f{k}_out{j}")
-        lines.append(f"constexpr fpg::TensorSpec f{k}_ins[] = {{{', '.join(ins)}}};")
-        lines.append(f"constexpr fpg::TensorSpec f{k}_outs[] = {{{', '.join(outs)}}};")
-        table.append(f"    {{{shimgen.cpp_string(card.id)}, {shimgen.cpp_string(v.kernel_file)}, f{k}_ins, {len(ins)}, "
-                     f"f{k}_outs, {len(outs)}}},")
+        consts, row = _variant_specs(k, v)
+        lines += consts
+        table.append("    " + row)
     flat, begin = [], [0]
     for s in doc["sites"]:
         flat += [index[i] for i in s["variants"]]
@@ -143,6 +179,11 @@ def generate(variants: list[FusedVariant], namespace: str, target: str, title: s
         "  size_t n_in;",
         "  const fpg::TensorSpec* outs;",
         "  size_t n_out;",
+        "  // a family variant: its specs (ins/outs are then null), dim ranges, derived dims and size needs",
+        "  const fpg::FamilySpec* fins;",
+        "  const fpg::FamilySpec* fouts;",
+        "  const fpg::DimRange* ranges;",
+        "  bool (*dims)(int64_t* dv);",
         "  std::atomic<fpg::KernelFn> fn{nullptr};",
         "  std::atomic<bool> enabled{true};",
         "  std::atomic<int64_t> hits{0};",
@@ -182,11 +223,29 @@ bool device_ok(c10::Device d) {
   return i >= 0 && i < fpg::kMaxDevices && device_ok_[i].load(std::memory_order_relaxed);
 }
 
-// One variant's guard: every input as verified, one device of the pack's arch, no autograd needed.
-bool matches(const Variant& v, at::TensorList inputs, c10::Device* device) {
-  if (!v.enabled.load(std::memory_order_relaxed) || inputs.size() != v.n_in) return false;
+// A family variant's inputs: each binds the family's dims (sizes in range, pointer as the kernel needs),
+// then the derived dims and the kernel's divisibility needs, then every stride by its rule.
+bool family_match(const Variant& v, at::TensorList inputs, int64_t* dv) {
+  for (int d = 0; d < kMaxDims; ++d) dv[d] = -1;
   for (size_t i = 0; i < v.n_in; ++i) {
-    if (!fpg::match(inputs[i], v.ins[i], kDevice)) return false;
+    if (!fpg::bind(inputs[i], v.fins[i], kDevice, v.ranges, dv)) return false;
+  }
+  if (!v.dims(dv)) return false;
+  for (size_t i = 0; i < v.n_in; ++i) {
+    if (!fpg::strides_ok(inputs[i], v.fins[i], dv)) return false;
+  }
+  return true;
+}
+
+// One variant's guard: every input as verified, one device of the pack's arch, no autograd needed.
+bool matches(const Variant& v, at::TensorList inputs, c10::Device* device, int64_t* dv) {
+  if (!v.enabled.load(std::memory_order_relaxed) || inputs.size() != v.n_in) return false;
+  if (v.fins != nullptr) {
+    if (!family_match(v, inputs, dv)) return false;
+  } else {
+    for (size_t i = 0; i < v.n_in; ++i) {
+      if (!fpg::match(inputs[i], v.ins[i], kDevice)) return false;
+    }
   }
   fpg::SameDevice same;
   for (const at::Tensor& t : inputs) {
@@ -207,17 +266,21 @@ std::vector<at::Tensor> run(int64_t site, at::TensorList inputs) {
   for (int64_t k = site_begin[site]; k < site_begin[site + 1]; ++k) {
     Variant& v = variants[site_variants[k]];
     c10::Device device{kDevice};
-    if (!matches(v, inputs, &device)) continue;
+    int64_t dv[kMaxDims];
+    if (!matches(v, inputs, &device, dv)) continue;
     c10::OptionalDeviceGuard guard;
     if constexpr (kCuda) guard.reset_device(device);
     std::vector<at::Tensor> outs;
     outs.reserve(v.n_out);
     std::array<fp_tensor, kMaxInputs> in{};
     std::array<fp_tensor, kMaxInputs> out{};
-    for (size_t i = 0; i < v.n_in; ++i) fpg::describe(in[i], inputs[i], v.ins[i].abi_dtype);
+    for (size_t i = 0; i < v.n_in; ++i) {
+      fpg::describe(in[i], inputs[i], v.fins != nullptr ? v.fins[i].abi_dtype : v.ins[i].abi_dtype);
+    }
     for (size_t j = 0; j < v.n_out; ++j) {
-      outs.push_back(fpg::alloc(kBackend, device, v.outs[j]));
-      fpg::describe(out[j], outs[j], v.outs[j].abi_dtype);
+      outs.push_back(v.fouts != nullptr ? fpg::alloc(kBackend, device, v.fouts[j], dv)
+                                        : fpg::alloc(kBackend, device, v.outs[j]));
+      fpg::describe(out[j], outs[j], v.fouts != nullptr ? v.fouts[j].abi_dtype : v.outs[j].abi_dtype);
     }
     const fp_call call{FP_ABI_VERSION, static_cast<int32_t>(v.n_in), static_cast<int32_t>(v.n_out), 0,
                        in.data(), out.data(), nullptr, fpg::current_stream(device)};
@@ -277,21 +340,21 @@ std::vector<std::string> variant_ids() {
 """
 
 
-def stage(pkg: Path, items: list[tuple[Card, Path, Path | None]], namespace: str, target: str,
+def stage(pkg: Path, items: list[tuple[Card, Path, Path | None, Needs | None]], namespace: str, target: str,
           title: str = "") -> dict[str, Any]:
     """Into the package directory `pkg`: each fusion kernel's verified object (copied, never rebuilt)
     and source, the generated `sources/fused.cpp` compiled to `shim/libforgepack_fused.so`, and
-    `modules.json`. `items`: (card, compiled object, source or None), most called first. Returns the
-    spec written to `modules.json`."""
+    `modules.json`. `items`: (card, compiled object, source or None, the kernel's stated needs or None: the
+    default), most called first. Returns the spec written to `modules.json`."""
     variants = []
-    for card, binary, source in items:
+    for card, binary, source, needs in items:
         kernel = f"kernels/{card.id}.so"
         (pkg / "kernels").mkdir(parents=True, exist_ok=True)
         shutil.copyfile(binary, pkg / kernel)
         if source is not None and Path(source).is_file():
             (pkg / "sources").mkdir(parents=True, exist_ok=True)
             shutil.copyfile(source, pkg / "sources" / f"{card.id}{Path(source).suffix}")
-        variants.append(FusedVariant(card, kernel))
+        variants.append(FusedVariant(card, kernel, needs))
     code = generate(variants, namespace, target, title)
     sources = pkg / "sources"
     sources.mkdir(parents=True, exist_ok=True)

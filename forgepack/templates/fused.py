@@ -14,6 +14,11 @@ card's inputs or to earlier calls. Three programs cover the chains the reference
   cats: rotary embedding of q and k (rotate_half is slice, neg, cat) in one launch for both outputs,
   rotary cos/sin tables. Every output element evaluates the chain through index math; scalar loads.
 
+Family fusion cards (the same chain at several sizes, `forgepack.families`): `fused.rows` renders the
+row program with the row length fixed and the rows read at run time; `fused.pointwise` the size-generic
+pointwise job where the chain reads its inputs directly; `fused.indexed` refuses them (its index math
+is the captured sizes').
+
 Numerics: each op computes in float as aten's opmath does and rounds to its own output dtype, so the
 kernel rounds exactly where the chain rounds (HF Llama casts back to the input dtype before the weight
 multiply; GPT-2's GELU rounds to fp16 after each of its eight ops). Transcendentals are the same
@@ -28,9 +33,11 @@ from dataclasses import dataclass
 
 from forgepack.cards import DTYPE_SIZES, Card, ChainArg, TensorMeta
 from forgepack.templates import elementwise as ew
+from forgepack.templates import generic
 from forgepack.templates.common import (
     FLOATS,
     TARGETS,
+    FamilyPlan,
     Template,
     View,
     ceil_div,
@@ -252,10 +259,14 @@ class FusedTemplate(Template):
             return reason
         if card.scalars():
             return "fusion cards take no scalars"
+        if card.family is not None and not self.generic:
+            return f"{self.name} has no size-generic kernel for a shape family"
         try:
-            return self.plan(card, target)
+            plan = self.plan(card, target)
         except Refused as err:
             return str(err)
+        # a family: the representative member's plan, checked to hold for every member
+        return plan if card.family is None else self.family_plan(card, plan, target)
 
 
 # --- fused.pointwise -----------------------------------------------------------------------------------
@@ -299,7 +310,29 @@ def _channel_view(card: Card, chain: list[Entry], ref: list, shape: tuple[int, .
 
 
 class PointwiseFusion(FusedTemplate):
-    """The chain as one expression over the output's elements (see the module docstring)."""
+    """The chain as one expression over the output's elements (see the module docstring). A family
+    whose chain reads its inputs directly (no view between an input and its use, no batch norm) gets
+    the size-generic pointwise render: each input broadcast to the output's run-time sizes."""
+
+    generic = True
+
+    def family_plan(self, card, plan, target):
+        chain = entries(card)
+        used = _used(card, chain)
+        if any(e.op in _VIEWS or e.op in _BN for e in chain if e.index in used):
+            return "a family chain with views or batch norm (its index math is the captured sizes')"
+        job = next(iter(plan.values()))[0]
+        ins = card.tensor_inputs()
+        generic_job = generic.GenericJob(0, card.outputs[0].dtype, job.in_slots,
+                                         tuple(ins[s].dtype for s in job.in_slots), job.expr)
+        return FamilyPlan(plan, (generic_job,))
+
+    family_axes = ew.PointwiseTemplate.family_axes
+    family_default = ew.PointwiseTemplate.family_default
+    family_emit = ew.PointwiseTemplate.family_emit
+
+    def needs(self, card, target, params):
+        return generic.natural_needs(card) if card.family is not None else super().needs(card, target, params)
 
     def plan(self, card: Card, target: str):
         if len(card.outputs) != 1:

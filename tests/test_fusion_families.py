@@ -1,0 +1,250 @@
+"""Fusion families: the same module-level chain captured at several points of a serving envelope folds
+into one family card (`families.fold`), whose kernel reads the rows at run time, is verified over the
+range (`familyeval`), and is served by the pack's fused op for any size its guard binds.
+
+A tiny Llama (float32, cpu) at the capture points of a generate envelope, through the real capture,
+fold, templates, verifier, builder and pack loader."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from test_envelope import TINY, _recipe
+
+from forgepack import families, familyeval, fusion, models, profile
+from forgepack.accepted import AcceptedKernel
+from forgepack.compile import compile_kernel
+from forgepack.evaluate import Evaluator
+from forgepack.pack import builder, fusedgen
+from forgepack.templates import by_name, templates_for
+from forgepack.workspace import Workspace
+
+REPO = Path(__file__).resolve().parent.parent
+WORKLOAD = {"phase": "generate", "batch": {"min": 1, "max": 3}, "seq_len": {"min": 4, "max": 16}, "new_tokens": 3}
+
+
+@pytest.fixture(scope="module")
+def envelope():
+    """(recipe, the build's fusion cards, every exact card any point found) for the tiny generate envelope."""
+    r = _recipe(**WORKLOAD)
+    per_point: list = []
+    with models.quiet_transformers():
+        lm = models.load(r)
+        profile.capture_envelope(lm, lambda *_: None, per_point)
+        result = fusion.build_points(lm.model, per_point, lm.device, None, [])
+        exact = {}
+        for cap, run, _ in per_point:
+            candidates, _ = fusion.find(cap)
+            for card in fusion.check_and_sample(lm.model, run, fusion.group(cap, candidates)).cards:
+                exact[card.id] = card
+    return r, result.cards, list(exact.values())
+
+
+@pytest.fixture(scope="module")
+def evaluator():
+    with Evaluator("cpu", timeout_s=120) as ev:
+        yield ev
+
+
+def _family(cards, pattern: str):
+    return next(c for c in cards if c.fusion.pattern == pattern and c.family is not None)
+
+
+@pytest.mark.parametrize("pattern", ["rmsnorm", "gated_act"])
+def test_members_at_the_captured_points_are_the_captured_cards(envelope, pattern):
+    """A member is laid out by replaying the chain on the meta device: at every captured point it is the
+    card capture made there, chain, digest and id alike; the family's dims bind each captured card."""
+    _, cards, exact = envelope
+    card = _family(cards, pattern)
+    captured = {c.id: c for c in exact if c.fusion.pattern == pattern}
+    members = families.members_at_points(card)
+    assert len(members) == len(card.family.points) >= 4
+    for member in members:
+        want = captured[member.id]
+        assert member.chain == want.chain
+        assert [a.key() for a in member.args] == [a.key() for a in want.args]  # all but the value statistics
+        assert families.bind(card, want.tensor_inputs()) is not None
+    assert set(captured) == {m.id for m in members}
+
+
+def test_a_chain_holding_a_size_in_its_values_does_not_fold(envelope):
+    """Two points' chains that differ in a non-tensor value (a `view` to the batch's shape, say) are not
+    one family: the value would be wrong at every other size. Here one point's mean is made to reduce
+    another dim, and the two stay exact."""
+    _, _, exact = envelope
+    norms = sorted((c for c in exact if c.fusion.pattern == "rmsnorm"), key=lambda c: c.tensor_inputs()[0].shape)
+    a, b = norms[0], norms[-1]
+    assert len(families.fold([a, b])) == 1 and families.fold([a, b])[0].family is not None
+    k = next(i for i, e in enumerate(b.chain) if e.op == "aten.mean.dim")
+    entry = b.chain[k]
+    args = tuple(dataclasses.replace(x, value=[1]) if x.name == "dim" else x for x in entry.args)
+    other = dataclasses.replace(b, chain=(*b.chain[:k], dataclasses.replace(entry, args=args), *b.chain[k + 1:]))
+    assert all(c.family is None for c in families.fold([a, other]))
+
+
+@pytest.mark.parametrize("pattern,template", [("rmsnorm", "fused.rows"), ("gated_act", "fused.pointwise")])
+def test_family_fused_kernels_verify_at_every_check_point(envelope, evaluator, pattern, template):
+    _, cards, _ = envelope
+    card = _family(cards, pattern)
+    t = by_name(template)
+    assert [x.name for x in templates_for(card, "cpu")] == [template]
+    src = t.render(card, "cpu", t.default(card, "cpu"))
+    assert "fp_geom" in src  # the rows are read at run time
+    verdict = familyeval.evaluate(evaluator, card, src, bench=False)
+    assert verdict.accepted, verdict.reason
+    checked = verdict.diagnostics["family"]["checked"]
+    assert len(checked) == len(families.check_points(card)) >= 8
+    assert {d.name: d.max for d in card.family.dims} in checked
+
+
+def test_rotary_families_stay_exact_and_the_indexed_program_says_why(envelope):
+    _, cards, exact = envelope
+    rotary = [c for c in exact if c.fusion.pattern == "rotary"]
+    (card,) = [c for c in families.fold(rotary) if c.family is not None and c.tensor_inputs()[0].shape[2] == 1]
+    assert "size-generic" in by_name("fused.indexed").supports(card, "cpu")
+    assert all(c.family is None for c in cards if c.fusion.pattern == "rotary")
+
+
+def test_a_row_kernel_right_only_at_the_captured_rows_is_rejected(envelope, evaluator):
+    """The size-generic RMSNorm with its row loop cut to the smallest captured row count: every member of
+    that size passes today's checks, the family's verification finds the rows it leaves unwritten."""
+    _, cards, _ = envelope
+    card = _family(cards, "rmsnorm")
+    t = by_name("fused.rows")
+    src = t.render(card, "cpu", t.default(card, "cpu"))
+    rows = min(m.tensor_inputs()[0].numel // m.tensor_inputs()[0].shape[-1] for m in families.members_at_points(card))
+    loop = "row < g.numel;"
+    assert src.count(loop) == 1
+    cheat = src.replace(loop, f"row < (g.numel < {rows}u ? g.numel : {rows}u);")
+    small = next(m for m in families.members_at_points(card)
+                 if m.tensor_inputs()[0].numel // m.tensor_inputs()[0].shape[-1] == rows)
+    assert evaluator.evaluate(small, cheat, bench=False).accepted  # right where the rows are the captured ones
+    verdict = familyeval.evaluate(evaluator, card, cheat, bench=False)
+    assert not verdict.accepted and verdict.category == "mismatch", verdict.reason
+    failed = verdict.diagnostics["family"]["failed_at"]
+    assert failed["d0"] * failed["d1"] > rows  # a member with more rows than the cut loop writes
+
+
+def _stage(root: Path, r, cards: list) -> Path:
+    """Stage a pack of these fusion cards' template kernels as `builder.stage` does for a build, each with
+    the needs its template states (a family kernel's guard checks exactly those)."""
+    ws = Workspace(root / "ws").create()
+    chosen = []
+    for card in cards:
+        t = templates_for(card, "cpu")[0]
+        params = t.default(card, "cpu")
+        source = t.render(card, "cpu", params)
+        compiled = compile_kernel(source, "cpu")
+        assert compiled.ok, compiled.log
+        (ws.root / "kernels").mkdir(exist_ok=True)
+        shutil.copyfile(compiled.binary, ws.root / "kernels" / f"{card.id}.so")
+        (ws.root / "kernels" / f"{card.id}.cpp").write_text(source)
+        kernel = AcceptedKernel(card.id, "cpu", None, f"kernels/{card.id}.cpp", f"kernels/{card.id}.so", "0" * 64,
+                                1.5, 1.4, 1.6, 10.0, 6.0, f"templates:{t.name}", kind="fusion",
+                                needs=t.needs(card, "cpu", params))
+        chosen.append(builder._Chosen(kernel, card))
+    builder.stage(ws, r, chosen, root / "stage", "0.0.1", "skipped")
+    return root / "stage"
+
+
+SERVE = r"""
+import json, torch
+from transformers import LlamaConfig, LlamaForCausalLM
+import forgepack_pack_tiny_env as pack
+torch.manual_seed(0)
+model = LlamaForCausalLM(LlamaConfig(**CONFIG)).eval()
+out = {}
+for batch, seq in SIZES:
+    ids = torch.randint(0, CONFIG["vocab_size"], (batch, seq))
+    with torch.no_grad():
+        stock = model(ids).logits
+        pack.activate(strict=True)
+        before = {k: v["hits"] for k, v in pack.stats().items()}
+        served = model(ids).logits
+        hits = {k: v["hits"] - before[k] for k, v in pack.stats().items()}
+        pack.deactivate()
+    scale = float(stock.abs().max())
+    out[f"{batch}x{seq}"] = {"hits": hits, "same": bool(torch.equal(stock, served)),
+                             "err": float((stock - served).abs().max()) / scale}
+print(json.dumps(out))
+"""
+
+
+def test_the_pack_serves_family_fused_kernels_at_sizes_no_capture_saw(envelope, tmp_path):
+    """Batch 2 x 11 tokens and 3 x 13 were never captured: inside the families' ranges the fused op binds
+    their dims and serves every RMSNorm and gated activation; batch 5 and 40 tokens lie outside, and
+    the originals run there, bit for bit."""
+    r, cards, _ = envelope
+    fams = [c for c in cards if c.family is not None]
+    pkg = _stage(tmp_path, r, fams)
+    spec = json.loads((pkg / "forgepack_pack_tiny_env" / "modules.json").read_text())
+    assert all("shapes" not in v for v in spec["variants"])  # a family lists no sizes: its guard binds them
+    sizes = [(2, 11), (3, 13), (5, 7), (1, 40)]
+    env = {k: v for k, v in os.environ.items() if k != "FORGEPACK_DISABLE"}
+    env["PYTHONPATH"] = os.pathsep.join([str(pkg), str(REPO)])
+    code = f"CONFIG = {TINY!r}\nSIZES = {sizes!r}\n" + SERVE
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600,
+                          check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    layers = TINY["num_hidden_layers"]
+    norm, act = _family(fams, "rmsnorm").id, _family(fams, "gated_act").id
+    for inside in ("2x11", "3x13"):
+        assert res[inside]["hits"][norm] == 2 * layers + 1 and res[inside]["hits"][act] == layers
+        assert res[inside]["err"] < 1e-5
+    for outside in ("5x7", "1x40"):
+        assert not any(res[outside]["hits"].values()) and res[outside]["same"]
+
+
+def test_family_fused_variants_guard_in_cpp_by_binding_dims(envelope):
+    """The generated fused op binds a family variant's dims from its inputs (ranges, strides, the kernel's
+    alignment need) and allocates its outputs at the bound sizes; exact variants keep their exact specs."""
+    _, cards, _ = envelope
+    fam = _family(cards, "rmsnorm")
+    exact = next(c for c in cards if c.family is None)
+    t = by_name("fused.rows")
+    code = fusedgen.generate([fusedgen.FusedVariant(fam, "kernels/a.so", t.needs(fam, "cpu", {})),
+                              fusedgen.FusedVariant(exact, "kernels/b.so")], "forgepack_t", "cpu")
+    ranges = ", ".join(f"{{{d.min}, {d.max}}}" for d in fam.family.dims)
+    assert f"constexpr fpg::DimRange f0_ranges[] = {{{ranges}}};" in code
+    assert "constexpr fpg::FamilySpec f0_ins[]" in code and "constexpr fpg::TensorSpec f1_ins[]" in code
+    assert "fpg::alloc(kBackend, device, v.fouts[j], dv)" in code
+
+
+def _cuda_family(cards, pattern: str):
+    from forgepack.templates import on_device
+
+    return on_device(_family(cards, pattern), "cuda")
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+@pytest.mark.parametrize("pattern,template", [("rmsnorm", "fused.rows"), ("gated_act", "fused.pointwise")])
+def test_family_fused_cuda_kernels_compile_for_sm90(envelope, pattern, template):
+    _, cards, _ = envelope
+    card = _cuda_family(cards, pattern)
+    t = by_name(template)
+    assert t in templates_for(card, "cuda")
+    for params in (t.default(card, "cuda"), {**t.default(card, "cuda"), "vec": 1}):
+        src = t.render(card, "cuda", params)
+        assert "fp_geom" in src
+        res = compile_kernel(src, "cuda", arch="sm_90")
+        assert res.ok, res.log
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pattern,template", [("rmsnorm", "fused.rows"), ("gated_act", "fused.pointwise")])
+def test_family_fused_cuda_kernels_verify_at_every_check_point_on_the_gpu(envelope, pattern, template):
+    _, cards, _ = envelope
+    card = _cuda_family(cards, pattern)
+    t = by_name(template)
+    with Evaluator("cuda", timeout_s=120) as ev:
+        for params in (t.default(card, "cuda"), {**t.default(card, "cuda"), "vec": 1}):
+            verdict = familyeval.evaluate(ev, card, t.render(card, "cuda", params), bench=False)
+            assert verdict.accepted, f"{params}: {verdict.reason}"
