@@ -83,9 +83,10 @@ def test_generate_capture_folds_into_families_spanning_the_envelope(generate_cap
 def test_fusion_chains_fold_into_families_over_the_capture_points():
     """Chains come from one shape's dataflow: an envelope build finds them at each capture point, then
     folds the same chain at different sizes into a family (`families.fold`). RMSNorm and the gated
-    activation become one family each, over decode steps and prefills alike (batch x tokens). Rotary's
-    indexed program has no size-generic kernel: it stays exact, one card per decode batch (a prefill's
-    would serve only its own prompt length and is left out), its calls summed over the points that share it."""
+    activation become one family each, over decode steps and prefills alike (batch x tokens), a decode
+    step's rotary one over the batch. A chain no template can serve as a family stays exact, one card per
+    decode batch (a prefill's would serve only its own prompt length and is left out), its calls summed
+    over the points that share it."""
     r = _recipe(phase="generate", batch={"min": 1, "max": 3}, seq_len={"min": 4, "max": 16}, new_tokens=3)
     per_point: list = []
     with models.quiet_transformers():
@@ -103,16 +104,24 @@ def test_fusion_chains_fold_into_families_over_the_capture_points():
     assert norm.family.inputs[0].shape == ("d0", "d1", hidden)
     # every norm of every forward of every point: the prefill and each decode step
     assert norm.calls == len(lm.points) * (2 * layers + 1) * r.workload.new_tokens
-    assert len(norm.family.points) == len(norm.family.point_calls) == len({(p[0][1], p[1][1]) for p in norm.family.points})
+    points = norm.family.points
+    assert len(points) == len(norm.family.point_calls) == len({(p[0][1], p[1][1]) for p in points})
     (act,) = [c for c in result.cards if c.fusion.pattern == "gated_act"]
     assert act.family is not None and act.family.inputs[0].shape[-1] == lm.model.config.intermediate_size
-    rotary = [c for c in result.cards if c.fusion.pattern == "rotary"]
-    assert rotary and all(c.family is None and c.tensor_inputs()[0].shape[2] == 1 for c in rotary)
-    assert sorted(c.tensor_inputs()[0].shape[0] for c in rotary) == batches
-    one_point = layers * (r.workload.new_tokens - 1)  # every rotary of every decode step of one point
-    shared = next(c for c in rotary if c.tensor_inputs()[0].shape[0] == 1)  # batch 1: several prompt lengths
+    # a decode step's rotary folds over the batch (the indexed program runs the batch-1 member per batch
+    # index); a prefill's varies its tokens too, which that program cannot: its exact cards carry the
+    # prompt length and are left out
+    (rotary,) = [c for c in result.cards if c.fusion.pattern == "rotary"]
+    assert [(d.min, d.max) for d in rotary.family.dims] == [(min(batches), max(batches))]
+    assert rotary.tensor_inputs()[0].shape[2] == 1
+    assert rotary.calls == len(lm.points) * layers * (r.workload.new_tokens - 1)
+    # the rotary tables' chain reads a [head_dim / 2] input with no batch axis: no family, exact per batch
+    tables = [c for c in result.cards if c.fusion.pattern == "chain"]
+    assert tables and all(c.family is None and c.tensor_inputs()[0].shape[1] == 1 for c in tables)
+    assert sorted(c.tensor_inputs()[0].shape[0] for c in tables) == batches
+    shared = next(c for c in tables if c.tensor_inputs()[0].shape[0] == 1)  # batch 1: several prompt lengths
     points_at_1 = sum(1 for p in lm.points if dict(p.sizes)["batch"] == 1)
-    assert points_at_1 > 1 and shared.calls == points_at_1 * one_point
+    assert points_at_1 > 1 and shared.calls == points_at_1 * (r.workload.new_tokens - 1)  # one per decode step
     assert all(result.samples[c.id] for c in result.cards)
 
 

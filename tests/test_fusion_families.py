@@ -104,12 +104,25 @@ def test_family_fused_kernels_verify_at_every_check_point(envelope, evaluator, p
     assert {d.name: d.max for d in card.family.dims} in checked
 
 
-def test_rotary_families_stay_exact_and_the_indexed_program_says_why(envelope):
+def test_a_decode_rotary_family_runs_the_batch_1_kernel_per_batch_index(envelope, evaluator):
+    """A decode step's rotary varies only the batch, the outermost axis of every tensor: `fused.indexed`
+    renders the batch-1 member's index math and moves each pointer by its tensor's batch stride. A
+    prefill's rotary also varies its tokens, an inner axis, and is refused; so is the rotary tables'
+    chain, whose inverse frequencies have no batch axis."""
     _, cards, exact = envelope
-    rotary = [c for c in exact if c.fusion.pattern == "rotary"]
-    (card,) = [c for c in families.fold(rotary) if c.family is not None and c.tensor_inputs()[0].shape[2] == 1]
-    assert "size-generic" in by_name("fused.indexed").supports(card, "cpu")
-    assert all(c.family is None for c in cards if c.fusion.pattern == "rotary")
+    t = by_name("fused.indexed")
+    (card,) = [c for c in cards if c.fusion.pattern == "rotary"]
+    assert card.family is not None and card.tensor_inputs()[0].shape[2] == 1
+    src = t.render(card, "cpu", t.default(card, "cpu"))
+    assert "bt < nb_" in src
+    verdict = familyeval.evaluate(evaluator, card, src, bench=False)
+    assert verdict.accepted, verdict.reason
+    prefill = [c for c in families.fold(c for c in exact if c.fusion.pattern == "rotary")
+               if c.family is not None and c.tensor_inputs()[0].shape[2] != 1]
+    assert prefill and "outermost" in t.supports(prefill[0], "cpu")
+    tables = [c for c in families.fold(c for c in exact if c.fusion.pattern == "chain") if c.family is not None]
+    assert tables and "outermost" in t.supports(tables[0], "cpu")
+    assert all(c.family is None for c in cards if c.fusion.pattern == "chain")
 
 
 def test_a_row_kernel_right_only_at_the_captured_rows_is_rejected(envelope, evaluator):
@@ -218,20 +231,29 @@ def test_family_fused_variants_guard_in_cpp_by_binding_dims(envelope):
     assert "fpg::alloc(kBackend, device, v.fouts[j], dv)" in code
 
 
+def _cuda_params(t, card) -> list[dict]:
+    """The default point, and its scalar-access twin where the template has a vector axis."""
+    first = t.default(card, "cuda")
+    return [first, {**first, "vec": 1}] if "vec" in first else [first]
+
+
 def _cuda_family(cards, pattern: str):
     from forgepack.templates import on_device
 
     return on_device(_family(cards, pattern), "cuda")
 
 
+CUDA_CASES = [("rmsnorm", "fused.rows"), ("gated_act", "fused.pointwise"), ("rotary", "fused.indexed")]
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
-@pytest.mark.parametrize("pattern,template", [("rmsnorm", "fused.rows"), ("gated_act", "fused.pointwise")])
+@pytest.mark.parametrize("pattern,template", CUDA_CASES)
 def test_family_fused_cuda_kernels_compile_for_sm90(envelope, pattern, template):
     _, cards, _ = envelope
     card = _cuda_family(cards, pattern)
     t = by_name(template)
     assert t in templates_for(card, "cuda")
-    for params in (t.default(card, "cuda"), {**t.default(card, "cuda"), "vec": 1}):
+    for params in _cuda_params(t, card):
         src = t.render(card, "cuda", params)
         assert "fp_geom" in src
         res = compile_kernel(src, "cuda", arch="sm_90")
@@ -239,12 +261,12 @@ def test_family_fused_cuda_kernels_compile_for_sm90(envelope, pattern, template)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("pattern,template", [("rmsnorm", "fused.rows"), ("gated_act", "fused.pointwise")])
+@pytest.mark.parametrize("pattern,template", CUDA_CASES)
 def test_family_fused_cuda_kernels_verify_at_every_check_point_on_the_gpu(envelope, pattern, template):
     _, cards, _ = envelope
     card = _cuda_family(cards, pattern)
     t = by_name(template)
     with Evaluator("cuda", timeout_s=120) as ev:
-        for params in (t.default(card, "cuda"), {**t.default(card, "cuda"), "vec": 1}):
+        for params in _cuda_params(t, card):
             verdict = familyeval.evaluate(ev, card, t.render(card, "cuda", params), bench=False)
             assert verdict.accepted, f"{params}: {verdict.reason}"

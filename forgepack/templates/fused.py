@@ -16,8 +16,8 @@ card's inputs or to earlier calls. Three programs cover the chains the reference
 
 Family fusion cards (the same chain at several sizes, `forgepack.families`): `fused.rows` renders the
 row program with the row length fixed and the rows read at run time; `fused.pointwise` the size-generic
-pointwise job where the chain reads its inputs directly; `fused.indexed` refuses them (its index math
-is the captured sizes').
+pointwise job where the chain reads its inputs directly; `fused.indexed` a family of the outermost
+axis alone (a decode step's rotary at any batch): the batch-1 member's kernel once per batch index.
 
 Numerics: each op computes in float as aten's opmath does and rounds to its own output dtype, so the
 kernel rounds exactly where the chain rounds (HF Llama casts back to the input dtype before the weight
@@ -31,6 +31,7 @@ import math
 import re
 from dataclasses import dataclass
 
+from forgepack import families
 from forgepack.cards import DTYPE_SIZES, Card, ChainArg, TensorMeta
 from forgepack.templates import elementwise as ew
 from forgepack.templates import generic
@@ -687,7 +688,45 @@ class _Emitter:
 
 
 class IndexedFusion(FusedTemplate):
-    """Every output element evaluates the chain through index math (see the module docstring)."""
+    """Every output element evaluates the chain through index math (see the module docstring).
+
+    A family with one dim, the outermost axis of every tensor (a decode step's rotary at any batch), is
+    the batch-1 member's kernel run once per batch index: each tensor's pointer moved by its own
+    outermost stride, read at run time. Its other sizes and strides are the member's constants, so
+    the chain's index math holds only if no chain value mixes that axis with another (checked at two
+    batch sizes); anything else about a family is refused."""
+
+    generic = True
+
+    def family_plan(self, card, plan, target):
+        fam = card.family
+        if len(fam.dims) != 1 or fam.dims[0].derived:
+            return "an indexed family varies only the outermost (batch) axis"
+        name = fam.dims[0].name
+        for layout in (*fam.inputs, *fam.outputs):
+            if layout is None or not layout.shape or layout.shape[0] != name:
+                return "an indexed family needs the varying dim outermost in every tensor"
+            if any(isinstance(n, str) for n in layout.shape[1:]) or any(ds for _, ds in layout.stride[1:]):
+                return "an indexed family varies only the outermost (batch) axis"
+        one, two = (families.member(card, {name: n}) for n in (1, 2))
+        for a, b in zip(one.chain, two.chain, strict=True):
+            for x, y in zip(a.outs, b.outs, strict=True):
+                if not x.shape or (x.shape[0], y.shape[0]) != (1, 2) or x.shape[1:] != y.shape[1:] \
+                        or x.stride[1:] != y.stride[1:]:
+                    return f"the chain's {a.op} mixes the batch axis with another"
+        try:
+            return FamilyPlan(self.plan(one, target), one)
+        except Refused as err:
+            return str(err)
+
+    def family_axes(self, plan, target):
+        return self.axes(plan.base, target)
+
+    def family_default(self, plan, axes, target):
+        return self.pick_default(plan.base, axes, target)
+
+    def needs(self, card, target, params):
+        return generic.natural_needs(card) if card.family is not None else super().needs(card, target, params)
 
     def plan(self, card: Card, target: str):
         chain = entries(card)
@@ -718,6 +757,64 @@ class IndexedFusion(FusedTemplate):
         return {} if target == "cpu" else {"block": 256}
 
     def emit(self, card, plan, target, params):
+        code, inits, sizes = self._functions(card, plan, target)
+        if target == "cpu":
+            loops = " ".join(f"for ({plan['itype']} e_ = 0; e_ < {n}u; ++e_) fp_out{j}(p, e_);"
+                             for j, n in enumerate(sizes))
+            return code + entry(card, target, "fp_args p;\n  " + "\n  ".join(inits) + f"\n  {loops}\n  "
+                                + launch_status(target))
+        kernel, total = self._kernel(plan, sizes, params["block"])
+        launch = ("fp_args p;\n  " + "\n  ".join(inits)
+                  + f"\n  fp_indexed<<<{total}u, {params['block']}, 0, stream>>>(p);\n  " + launch_status(target))
+        return code + kernel + entry(card, target, launch)
+
+    def family_emit(self, card, plan, target, params):
+        """The batch-1 member's functions; each batch index moves every pointer by its tensor's outermost
+        stride (2-D grid on cuda: blockIdx.y is the batch index)."""
+        one = plan.info
+        code, inits, sizes = self._functions(one, plan.base, target, generic.helpers(1))
+        ins, outs = one.tensor_inputs(), one.outputs
+        descs = [(f"call->inputs[{i}]", f"in{i}", m) for i, m in enumerate(ins)]
+        descs += [(f"call->outputs[{j}]", f"out{j}", m) for j, m in enumerate(outs)]
+        body = ["fp_args p;", *inits, f"const int64_t nb_ = {descs[0][0]}.sizes[0];"]
+        for var, _, m in descs:  # the member's constants hold for every batch index
+            body.append(f"if ({var}.sizes[0] != nb_ || {var}.strides[0] < 0) return FP_ERR_UNSUPPORTED;")
+            body += [f"if ({var}.strides[{a}] != {m.stride[a]}LL) return FP_ERR_UNSUPPORTED;"
+                     for a in range(1, len(m.shape)) if m.shape[a] != 1]
+        body.append("if (nb_ == 0) return FP_OK;")
+        moves = " ".join(f"q.{f} += bt * {var}.strides[0];" for var, f, _ in descs)
+        if target == "cpu":
+            loops = " ".join(f"for ({plan.base['itype']} e_ = 0; e_ < {n}u; ++e_) fp_out{j}(q, e_);"
+                             for j, n in enumerate(sizes))
+            body.append(f"for (int64_t bt = 0; bt < nb_; ++bt) {{ fp_args q = p; {moves} {loops} }}")
+            return code + generic.entry(card, target, "\n  ".join([*body, launch_status(target)]))
+        block = params["block"]
+        kernel, total = self._kernel(plan.base, sizes, block, batched=True)
+        strides = ", ".join(f"{var}.strides[0]" for var, _, _ in descs)
+        body += ["if (nb_ > 65535) return FP_ERR_UNSUPPORTED;", f"const fp_batch s_ = {{{{{strides}}}}};",
+                 f"fp_indexed<<<dim3({total}u, (unsigned)nb_), {block}, 0, stream>>>(p, s_);", launch_status(target)]
+        return code + kernel + generic.entry(card, target, "\n  ".join(body))
+
+    @staticmethod
+    def _kernel(plan, sizes: list[int], block: int, batched: bool = False) -> tuple[str, int]:
+        """The cuda kernel, its blocks split between the outputs; `batched`: blockIdx.y is a batch index,
+        every pointer moved to it first (`fp_move`)."""
+        itype = plan["itype"]
+        dispatch, total = [], 0
+        for j, n in enumerate(sizes):
+            blocks = ceil_div(n, block)
+            dispatch.append(f"  if (b < {blocks}u) {{ const {itype} e_ = b * {block}u + threadIdx.x; "
+                            f"if (e_ < {n}u) fp_out{j}(p, e_); return; }} b -= {blocks}u;")
+            total += blocks
+        params, move = "const fp_args p", ""
+        if batched:
+            params, move = "fp_args p, const fp_batch st", "  fp_move(p, st, blockIdx.y);\n"
+        return (f"\n__global__ void __launch_bounds__({block}) fp_indexed({params}) {{\n{move}"
+                f"  {itype} b = blockIdx.x;\n" + "\n".join(dispatch) + "\n}\n"), total
+
+    def _functions(self, card, plan, target, helpers: str = "") -> tuple[str, list[str], list[int]]:
+        """The prelude (then `helpers`), `fp_args`, one `fp_out<j>` per output (and `fp_move`, which moves
+        every pointer to a batch index), the host initialisers, each output's element count."""
         itype = plan["itype"]
         ins, outs = card.tensor_inputs(), card.outputs
         fields, inits = [], []
@@ -730,30 +827,19 @@ class IndexedFusion(FusedTemplate):
             t = ctype(m.dtype, target)
             fields.append(f"{t}*{restrict} out{j};")
             inits.append(f"p.out{j} = ({t}*)call->outputs[{j}].data;")
-        head = prelude(target) + f"\ntypedef {itype} fp_idx;\nstruct fp_args {{ {' '.join(fields)} }};\n"
+        head = prelude(target) + helpers + f"\ntypedef {itype} fp_idx;\nstruct fp_args {{ {' '.join(fields)} }};\n"
         funcs = []
         for j, (meta, stmts) in enumerate(plan["bodies"]):
             coords = _coords(meta, itype)
             body = "\n  ".join(coords + stmts)
             funcs.append(f"\nFP_FN void fp_out{j}(const fp_args& p, {itype} e_) {{\n  {body}\n}}\n")
-        code = head + "".join(funcs)
-        sizes = [m.numel for m, _ in plan["bodies"]]
-        if target == "cpu":
-            loops = " ".join(f"for ({itype} e_ = 0; e_ < {n}u; ++e_) fp_out{j}(p, e_);" for j, n in enumerate(sizes))
-            return code + entry(card, target, "fp_args p;\n  " + "\n  ".join(inits) + f"\n  {loops}\n  "
-                                + launch_status(target))
-        block = params["block"]
-        dispatch, total = [], 0
-        for j, n in enumerate(sizes):
-            blocks = ceil_div(n, block)
-            dispatch.append(f"  if (b < {blocks}u) {{ const {itype} e_ = b * {block}u + threadIdx.x; "
-                            f"if (e_ < {n}u) fp_out{j}(p, e_); return; }} b -= {blocks}u;")
-            total += blocks
-        code += (f"\n__global__ void __launch_bounds__({block}) fp_indexed(const fp_args p) {{\n"
-                 f"  {itype} b = blockIdx.x;\n" + "\n".join(dispatch) + "\n}\n")
-        launch = ("fp_args p;\n  " + "\n  ".join(inits) + f"\n  fp_indexed<<<{total}u, {block}, 0, stream>>>(p);\n  "
-                  + launch_status(target))
-        return code + entry(card, target, launch)
+        names = [f"in{i}" for i in range(len(ins))] + [f"out{j}" for j in range(len(outs))]
+        moves = " ".join(f"p.{n} += bt * st.s[{k}];" for k, n in enumerate(names))
+        if target == "cuda":
+            funcs.append(f"\nstruct fp_batch {{ int64_t s[{len(names)}]; }};\n"
+                         f"__device__ __forceinline__ void fp_move(fp_args& p, const fp_batch& st, int64_t bt) "
+                         f"{{ {moves} }}\n")
+        return head + "".join(funcs), inits, [m.numel for m, _ in plan["bodies"]]
 
 
 def _coords(meta: TensorMeta, itype: str) -> list[str]:
