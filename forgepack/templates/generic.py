@@ -59,6 +59,8 @@ HOST_HELPERS = r"""
 #define FP_GD 8
 #endif
 struct fp_geom { int nd; int64_t numel; int64_t n[FP_GD]; int64_t s[FP_GV][FP_GD]; int64_t base[FP_GV]; };
+// What the flat fast path takes instead: the element count and each view's first element.
+struct fp_flat { int64_t n; int64_t base[FP_GV]; };
 
 // Non-negative sizes and strides, and data present when there is something to read.
 __attribute__((unused)) static inline bool fp_desc_ok(const fp_tensor* t) {
@@ -204,9 +206,26 @@ static void fp_gjob{k}(const fp_args& p, const fp_geom& g) {{
 """
 
 
-def _cuda_job(k: int, job) -> str:
+def _element_code(job) -> tuple[str, str]:
+    """(y_ type, the statement computing y_.v[j] from x0..: the inputs' vectors)."""
     out_t = ctype(job.out_dtype, "cuda")
-    loads, convs = [], []
+    convs = []
+    for i in range(len(job.in_slots)):
+        load = f"(int64_t)x{i}.v[j]" if job.integer else f"fp_ld(x{i}.v[j])"
+        convs.append(f"const {'int64_t' if job.integer else 'float'} a{i} = {load};")
+    if job.expr is None:
+        return out_t, "y_.v[j] = x0.v[j];"
+    if job.integer:
+        return out_t, " ".join(convs) + f" y_.v[j] = ({out_t})(int64_t)({job.expr});"
+    return out_t, " ".join(convs) + f" y_.v[j] = fp_st<{out_t}>({job.expr});"
+
+
+def _cuda_job(k: int, job) -> str:
+    """Job k's kernels: the general one (any rank, broadcasts, strides: each vector's offsets decoded
+    from the geometry in a grid-stride loop) and the flat fast path (one contiguous run in every view:
+    one vector per thread, as many blocks as vectors, only pointers and offsets passed)."""
+    out_t, compute = _element_code(job)
+    loads, flat_loads = [], []
     for i, (s, dt) in enumerate(zip(job.in_slots, job.in_dtypes, strict=True)):
         t = ctype(dt, "cuda")
         loads.append(f"fp_vec<{t}, VEC> x{i};\n"
@@ -214,19 +233,12 @@ def _cuda_job(k: int, job) -> str:
                      f"x{i} = *reinterpret_cast<const fp_vec<{t}, VEC>*>(p.in{s} + o_[{i + 1}]);\n"
                      f"    else {{ const {t} b_ = p.in{s}[o_[{i + 1}]];\n#pragma unroll\n"
                      f"      for (int j = 0; j < VEC; ++j) x{i}.v[j] = b_; }}")
-        load = f"(int64_t)x{i}.v[j]" if job.integer else f"fp_ld(x{i}.v[j])"
-        convs.append(f"const {'int64_t' if job.integer else 'float'} a{i} = {load};")
-    if job.expr is None:
-        compute = "y_.v[j] = x0.v[j];"
-    elif job.integer:
-        compute = " ".join(convs) + f" y_.v[j] = ({out_t})(int64_t)({job.expr});"
-    else:
-        compute = " ".join(convs) + f" y_.v[j] = fp_st<{out_t}>({job.expr});"
+        flat_loads.append(f"const fp_vec<{t}, VEC> x{i} = "
+                          f"*reinterpret_cast<const fp_vec<{t}, VEC>*>(p.in{s} + (I)f.base[{i + 1}] + e_);")
     return f"""
+// vector v_ of job {k}: its offsets decoded from the geometry, loaded, computed, stored
 template <typename I, int VEC>
-__global__ void __launch_bounds__(BLOCK) fp_gjob{k}(const fp_args p, const fp_geom g) {{
-  const I nv = (I)(g.numel / VEC);
-  for (I v_ = (I)blockIdx.x * BLOCK + threadIdx.x; v_ < nv; v_ += (I)gridDim.x * BLOCK) {{
+__device__ __forceinline__ void fp_gvec{k}(const fp_args& p, const fp_geom& g, const I v_) {{
     I r_ = v_ * VEC, o_[FP_GV];
 #pragma unroll
     for (int v = 0; v < FP_GV; ++v) o_[v] = (I)g.base[v];
@@ -244,23 +256,55 @@ __global__ void __launch_bounds__(BLOCK) fp_gjob{k}(const fp_args p, const fp_ge
 #pragma unroll
     for (int j = 0; j < VEC; ++j) {{ {compute} }}
     *reinterpret_cast<fp_vec<{out_t}, VEC>*>(p.out{job.out_slot} + o_[0]) = y_;
-  }}
+}}
+
+template <typename I, int VEC>
+__global__ void __launch_bounds__(BLOCK) fp_gjob{k}(const fp_args p, const fp_geom g) {{
+  const I nv = (I)(g.numel / VEC);
+  for (I v_ = (I)blockIdx.x * BLOCK + threadIdx.x; v_ < nv; v_ += (I)gridDim.x * BLOCK) fp_gvec{k}<I, VEC>(p, g, v_);
+}}
+
+template <typename I, int VEC>
+__global__ void __launch_bounds__(BLOCK) fp_gflat{k}(const fp_args p, const fp_flat f) {{
+  const I v_ = (I)blockIdx.x * BLOCK + threadIdx.x;
+  if (v_ >= (I)(f.n / VEC)) return;
+  const I e_ = v_ * VEC;
+  {chr(10).join('  ' + x for x in flat_loads).strip()}
+  fp_vec<{out_t}, VEC> y_;
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) {{ {compute} }}
+  *reinterpret_cast<fp_vec<{out_t}, VEC>*>(p.out{job.out_slot} + (I)f.base[0] + e_) = y_;
 }}
 """
 
 
 def _cuda_launch(k: int, job, vec: int) -> str:
-    """Host statements launching job k on geometry `g` (built just before)."""
+    """Host statements launching job k on geometry `g` (built just before): the flat fast path where every
+    view walks one contiguous run (a residual add, a cast, an activation of a whole tensor), else the
+    general kernel."""
     items = [DTYPE_SIZES[job.out_dtype]] + [DTYPE_SIZES[d] for d in job.in_dtypes]
     ok = [f"fp_geom_vec_ok(&g, 0, p.out{job.out_slot}, {vec}, {items[0]})"]
     ok += [f"fp_geom_vec_ok(&g, {i + 1}, p.in{s}, {vec}, {items[i + 1]})" for i, s in enumerate(job.in_slots)]
     cond = " && ".join(ok) if vec > 1 else "false"
+    flat = " && ".join(f"g.s[{v}][0] == 1" for v in range(len(job.in_slots) + 1))
     return (f"{{ const bool vec_ = {cond}; const int64_t nv_ = g.numel / (vec_ ? {vec} : 1);\n"
-            f"    const unsigned grid_ = (unsigned)(nv_ / BLOCK + 1 < {GRID_CAP} ? nv_ / BLOCK + 1 : {GRID_CAP});\n"
-            f"    if (fp_geom_fits32(&g)) {{ if (vec_) fp_gjob{k}<uint32_t, {vec}><<<grid_, BLOCK, 0, stream>>>(p, g); "
-            f"else fp_gjob{k}<uint32_t, 1><<<grid_, BLOCK, 0, stream>>>(p, g); }}\n"
-            f"    else {{ if (vec_) fp_gjob{k}<uint64_t, {vec}><<<grid_, BLOCK, 0, stream>>>(p, g); "
-            f"else fp_gjob{k}<uint64_t, 1><<<grid_, BLOCK, 0, stream>>>(p, g); }} }}")
+            f"    const int64_t blocks_ = (nv_ + BLOCK - 1) / BLOCK;\n"
+            f"    if (g.nd == 1 && {flat} && blocks_ < (1LL << 31)) {{\n"
+            f"      fp_flat f; f.n = g.numel; for (int v = 0; v < FP_GV; ++v) f.base[v] = g.base[v];\n"
+            f"      const unsigned fgrid_ = (unsigned)blocks_;\n"
+            f"      {_typed_launches(f'fp_gflat{k}', vec, 'fgrid_', 'f')}\n"
+            f"    }} else {{\n"
+            f"      const unsigned grid_ = (unsigned)(nv_ / BLOCK + 1 < {GRID_CAP} ? nv_ / BLOCK + 1 : {GRID_CAP});\n"
+            f"      {_typed_launches(f'fp_gjob{k}', vec, 'grid_', 'g')}\n"
+            f"    }} }}")
+
+
+def _typed_launches(kernel: str, vec: int, grid: str, geometry: str) -> str:
+    """`kernel` launched with 32-bit index math where the geometry fits it, vectors where `vec_` allows."""
+    def one(itype: str) -> str:
+        launch = f"<<<{grid}, BLOCK, 0, stream>>>(p, {geometry});"
+        return f"if (vec_) {kernel}<{itype}, {vec}>{launch} else {kernel}<{itype}, 1>{launch}"
+    return f"if (fp_geom_fits32(&g)) {{ {one('uint32_t')} }} else {{ {one('uint64_t')} }}"
 
 
 def render_pointwise(card: Card, target: str, jobs: list, fields: list[str], inits: list[str], params: dict,
@@ -273,6 +317,8 @@ def render_pointwise(card: Card, target: str, jobs: list, fields: list[str], ini
     if target == "cuda":
         head += f"constexpr int BLOCK = {params['block']};\n"
         kernels = "".join(_cuda_job(k, j) for k, j in enumerate(jobs))
+        if cat_dim is not None:
+            kernels += _cuda_cat_kernel(jobs)
     else:
         kernels = "".join(_cpu_job(k, j) for k, j in enumerate(jobs))
     body = ["fp_args p;", *inits]
@@ -294,7 +340,8 @@ def _launch(k: int, job, target: str, params: dict) -> str:
 
 
 def _cat_body(card: Card, jobs: list, target: str, params: dict, dim: int) -> list[str]:
-    """Every input checked before anything is written (a refusal must leave the output untouched)."""
+    """Every input checked before anything is written (a refusal must leave the output untouched). On
+    cuda one launch writes every slice (`fp_gcat`), as aten's cat does; on cpu the jobs run in turn."""
     out = "call->outputs[0]"
     nd = len(card.outputs[0].shape)
     lines = ["int64_t total_ = 0, onumel_ = 1;", f"for (int d = 0; d < {nd}; ++d) onumel_ *= {out}.sizes[d];",
@@ -306,18 +353,64 @@ def _cat_body(card: Card, jobs: list, target: str, params: dict, dim: int) -> li
                      f"total_ += {t}.sizes[{dim}]; }}")
     lines.append(f"if (total_ != {out}.sizes[{dim}]) return FP_ERR_UNSUPPORTED;")
     lines.append("int64_t start_ = 0;")
+    if target == "cuda":
+        lines.append("fp_cat c_;")
     for k, job in enumerate(jobs):
         t = f"call->inputs[{job.in_slots[0]}]"
-        lines.append(
-            f"if (fp_numel(&{t}) != 0) {{ fp_geom g; fp_geom_init(&g, &{t});\n"
-            f"    for (int d = 0; d < {nd}; ++d) g.s[0][d] = g.n[d] == 1 ? 0 : {out}.strides[d];\n"
-            f"    g.base[0] = start_ * {out}.strides[{dim}];\n"
-            f"    if (!fp_geom_view(&g, 1, &{t}, true)) return FP_ERR_UNSUPPORTED;\n"
-            f"    start_ += {t}.sizes[{dim}];\n"
-            f"    fp_geom_coalesce(&g);\n"
-            f"    {_launch(k, job, target, params)}\n"
-            f"  }}")
+        geometry = (f"fp_geom_init(&g, &{t});\n"
+                    f"    for (int d = 0; d < {nd}; ++d) g.s[0][d] = g.n[d] == 1 ? 0 : {out}.strides[d];\n"
+                    f"    g.base[0] = start_ * {out}.strides[{dim}];\n"
+                    f"    if (!fp_geom_view(&g, 1, &{t}, true)) return FP_ERR_UNSUPPORTED;\n"
+                    f"    start_ += {t}.sizes[{dim}];\n"
+                    f"    fp_geom_coalesce(&g);")
+        if target == "cuda":
+            lines.append(f"{{ fp_geom& g = c_.g[{k}]; g.nd = 1; g.numel = 0;\n"
+                         f"  if (fp_numel(&{t}) != 0) {{ {geometry} }} }}")
+        else:
+            launch = _launch(k, job, target, params)
+            lines.append(f"if (fp_numel(&{t}) != 0) {{ fp_geom g; {geometry}\n    {launch}\n  }}")
+    if target == "cuda":
+        lines.append(_cuda_cat_launch(jobs, params["vec"]))
     return lines
+
+
+def _cuda_cat_kernel(jobs: list) -> str:
+    """One kernel for every slice of a cat: the blocks split between the jobs by `first` (job j's first
+    block), each block's job found by comparison, its vectors computed by job j's `fp_gvec`."""
+    cases = " ".join(f"case {k}: if (v_ < (I)(c.g[{k}].numel / VEC)) fp_gvec{k}<I, VEC>(p, c.g[{k}], v_); break;"
+                     for k in range(len(jobs)))
+    return f"""
+struct fp_cat {{ fp_geom g[{len(jobs)}]; int64_t first[{len(jobs) + 1}]; }};
+
+template <typename I, int VEC>
+__global__ void __launch_bounds__(BLOCK) fp_gcat(const fp_args p, const fp_cat c) {{
+  const int64_t b = blockIdx.x;
+  int j = 0;
+#pragma unroll
+  for (int q = 1; q < {len(jobs)}; ++q) j += b >= c.first[q];
+  const I v_ = (I)(b - c.first[j]) * BLOCK + threadIdx.x;
+  switch (j) {{ {cases} default: break; }}
+}}
+"""
+
+
+def _cuda_cat_launch(jobs: list, vec: int) -> str:
+    """Host statements: every job's vector test and 32-bit test, the blocks each takes, one launch."""
+    tests = []
+    for k, job in enumerate(jobs):
+        items = [DTYPE_SIZES[job.out_dtype], DTYPE_SIZES[job.in_dtypes[0]]]
+        tests.append(f"if (c_.g[{k}].numel != 0) {{ const fp_geom& g = c_.g[{k}]; "
+                     f"vec_ = vec_ && fp_geom_vec_ok(&g, 0, p.out{job.out_slot}, {vec}, {items[0]}) && "
+                     f"fp_geom_vec_ok(&g, 1, p.in{job.in_slots[0]}, {vec}, {items[1]}); "
+                     f"fits_ = fits_ && fp_geom_fits32(&g); }}")
+    n = len(jobs)
+    launch = f"<<<(unsigned)c_.first[{n}], BLOCK, 0, stream>>>(p, c_);"
+    return ("{ " + f"bool vec_ = {'true' if vec > 1 else 'false'}, fits_ = true;\n  " + "\n  ".join(tests) + "\n  "
+            f"c_.first[0] = 0;\n  for (int k = 0; k < {n}; ++k) c_.first[k + 1] = c_.first[k] + "
+            f"(c_.g[k].numel / (vec_ ? {vec} : 1) + BLOCK - 1) / BLOCK;\n  "
+            f"if (c_.first[{n}] >= (1LL << 31)) return FP_ERR_UNSUPPORTED;\n  if (c_.first[{n}] == 0) return FP_OK;\n  "
+            f"if (fits_) {{ if (vec_) fp_gcat<uint32_t, {vec}>{launch} else fp_gcat<uint32_t, 1>{launch} }}\n  "
+            f"else {{ if (vec_) fp_gcat<uint64_t, {vec}>{launch} else fp_gcat<uint64_t, 1>{launch} }} }}")
 
 
 @dataclass(frozen=True)
