@@ -273,9 +273,9 @@ def markdown(info: dict, r: recipe.Recipe, built: dict, rows: list[dict], ops: d
     md += families_md(built["families"]) if built.get("families") else ""
     fused = total(rows, "fused")
     if fused:
-        md += ("Fused kernels (module-level chains, exact sizes per capture point): their sites' calls and the "
-               "calls the kernels served; a served call replaces the chain's operator calls, which then do not "
-               "count above.\n\n")
+        md += ("Fused kernels (module-level chains: a family over the envelope where the same chain folds, else "
+               "exact sizes per capture point): their sites' calls and the calls the kernels served; a served "
+               "call replaces the chain's operator calls, which then do not count above.\n\n")
         md += tabulate([[op, d["calls"], d["hits"], f"{d['hits'] / d['calls']:.1%}" if d["calls"] else "-",
                          d["errors"]] for op, d in sorted(fused.items())],
                        headers=["fused op", "calls", "served", "share", "errors"], tablefmt="github") + "\n\n"

@@ -8,9 +8,11 @@ or its own):
     <namespace>::fused(int site, Tensor[] inputs) -> Tensor[]
         tries the site's verified variants in order (most calls first): enabled, every input matching
         the variant's dtype, sizes, strides, device and 16-byte alignment offset (fp_guard.h
-        `match`), one device of the pack's arch, no autograd needed; on the first match it allocates
-        the outputs from the variant's verified metadata, calls the kernel on the current stream and
-        returns them. No match, or a kernel that returns nonzero: an empty list (the caller then runs
+        `match`) or, for a family variant, binding the family's dims (sizes in their served ranges,
+        strides by their rules, the pointer alignment the kernel states: fp_guard.h `bind`), one
+        device of the pack's arch, no autograd needed; on the first match it allocates the outputs
+        from the variant's verified metadata (a family's at the bound dims), calls the kernel on the
+        current stream and returns them. No match, or a kernel that returns nonzero: an empty list (the caller then runs
         the original forward).
     <namespace>::fused_load(str root, int[] devices) -> int      dlopen every kernel under root
     <namespace>::fused_stats() -> int[]                          [hits per variant..., errors per variant...]
