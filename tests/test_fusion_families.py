@@ -214,6 +214,13 @@ def test_the_pack_serves_family_fused_kernels_at_sizes_no_capture_saw(envelope, 
         assert res[inside]["err"] < 1e-5
     for outside in ("5x7", "1x40"):
         assert not any(res[outside]["hits"].values()) and res[outside]["same"]
+    from typer.testing import CliRunner
+
+    from forgepack.cli import app
+
+    shown = CliRunner().invoke(app, ["inspect", str(pkg / "forgepack_pack_tiny_env")], terminal_width=300)
+    assert shown.exit_code == 0, shown.output
+    assert norm in shown.output and "d0 in 1..3" in shown.output  # the fused family, with its ranges
 
 
 def test_family_fused_variants_guard_in_cpp_by_binding_dims(envelope):
@@ -270,3 +277,19 @@ def test_family_fused_cuda_kernels_verify_at_every_check_point_on_the_gpu(envelo
         for params in _cuda_params(t, card):
             verdict = familyeval.evaluate(ev, card, t.render(card, "cuda", params), bench=False)
             assert verdict.accepted, f"{params}: {verdict.reason}"
+
+
+def test_a_batched_rotary_kernel_that_serves_batch_0_only_is_rejected(envelope, evaluator):
+    """The batched indexed kernel with its batch loop cut to the first batch index: the batch-1 member
+    passes today's checks, the family's verification finds the other batches' outputs unwritten."""
+    _, cards, _ = envelope
+    (card,) = [c for c in cards if c.fusion.pattern == "rotary"]
+    t = by_name("fused.indexed")
+    src = t.render(card, "cpu", t.default(card, "cpu"))
+    assert src.count("bt < nb_") == 1
+    cheat = src.replace("bt < nb_", "bt < 1")
+    one = families.member(card, {card.family.dims[0].name: 1})
+    assert evaluator.evaluate(one, cheat, bench=False).accepted
+    verdict = familyeval.evaluate(evaluator, card, cheat, bench=False)
+    assert not verdict.accepted and verdict.category == "mismatch", verdict.reason
+    assert verdict.diagnostics["family"]["failed_at"][card.family.dims[0].name] > 1
