@@ -17,14 +17,13 @@ from pathlib import Path
 
 import pytest
 from test_envelope import TINY, _recipe
+from test_pack_fused import _stage
 
 from forgepack import families, familyeval, fusion, models, profile
-from forgepack.accepted import AcceptedKernel
 from forgepack.compile import compile_kernel
 from forgepack.evaluate import Evaluator
-from forgepack.pack import builder, fusedgen
+from forgepack.pack import fusedgen
 from forgepack.templates import by_name, templates_for
-from forgepack.workspace import Workspace
 
 REPO = Path(__file__).resolve().parent.parent
 WORKLOAD = {"phase": "generate", "batch": {"min": 1, "max": 3}, "seq_len": {"min": 4, "max": 16}, "new_tokens": 3}
@@ -143,28 +142,6 @@ def test_a_row_kernel_right_only_at_the_captured_rows_is_rejected(envelope, eval
     assert not verdict.accepted and verdict.category == "mismatch", verdict.reason
     failed = verdict.diagnostics["family"]["failed_at"]
     assert failed["d0"] * failed["d1"] > rows  # a member with more rows than the cut loop writes
-
-
-def _stage(root: Path, r, cards: list) -> Path:
-    """Stage a pack of these fusion cards' template kernels as `builder.stage` does for a build, each with
-    the needs its template states (a family kernel's guard checks exactly those)."""
-    ws = Workspace(root / "ws").create()
-    chosen = []
-    for card in cards:
-        t = templates_for(card, "cpu")[0]
-        params = t.default(card, "cpu")
-        source = t.render(card, "cpu", params)
-        compiled = compile_kernel(source, "cpu")
-        assert compiled.ok, compiled.log
-        (ws.root / "kernels").mkdir(exist_ok=True)
-        shutil.copyfile(compiled.binary, ws.root / "kernels" / f"{card.id}.so")
-        (ws.root / "kernels" / f"{card.id}.cpp").write_text(source)
-        kernel = AcceptedKernel(card.id, "cpu", None, f"kernels/{card.id}.cpp", f"kernels/{card.id}.so", "0" * 64,
-                                1.5, 1.4, 1.6, 10.0, 6.0, f"templates:{t.name}", kind="fusion",
-                                needs=t.needs(card, "cpu", params))
-        chosen.append(builder._Chosen(kernel, card))
-    builder.stage(ws, r, chosen, root / "stage", "0.0.1", "skipped")
-    return root / "stage"
 
 
 SERVE = r"""

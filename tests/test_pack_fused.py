@@ -39,19 +39,22 @@ def _fusion_cards(r: recipe.Recipe) -> list:
 
 
 def _stage(root: Path, r: recipe.Recipe, cards: list) -> Path:
-    """Stage a pack of these fusion cards' template kernels, as `builder.stage` does for a build."""
+    """Stage a pack of these fusion cards' template kernels, as `builder.stage` does for a build, each with
+    the needs its template states (a family kernel's guard checks exactly those)."""
     ws = Workspace(root / "ws").create()
     chosen = []
     for card in cards:
         t = next(t for t in fused.TEMPLATES if t.supports(card, "cpu") is None)
-        source = t.render(card, "cpu", t.default(card, "cpu"))
+        params = t.default(card, "cpu")
+        source = t.render(card, "cpu", params)
         compiled = compile_kernel(source, "cpu")
         assert compiled.ok, compiled.log
         (ws.root / "kernels").mkdir(exist_ok=True)
         shutil.copyfile(compiled.binary, ws.root / "kernels" / f"{card.id}.so")
         (ws.root / "kernels" / f"{card.id}.cpp").write_text(source)
         kernel = AcceptedKernel(card.id, "cpu", None, f"kernels/{card.id}.cpp", f"kernels/{card.id}.so", "0" * 64,
-                                1.5, 1.4, 1.6, 10.0, 6.0, "templates")
+                                1.5, 1.4, 1.6, 10.0, 6.0, f"templates:{t.name}", kind="fusion",
+                                needs=t.needs(card, "cpu", params))
         chosen.append(builder._Chosen(kernel, card))
     builder.stage(ws, r, chosen, root / "stage", "0.0.1", "skipped")
     return root / "stage"
