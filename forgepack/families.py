@@ -104,9 +104,21 @@ def fold_members(cards: Iterable[Card], min_members: int = 2) -> list[tuple[Card
     for key in order:
         for members in _clusters(groups[key]) if key[0] != "single" else [groups[key]]:
             family = explain(members) if len(members) >= min_members else None
-            out.extend([(_family_card(members, family), members)] if family is not None else
-                       [(m, [m]) for m in members])
+            card = _family_card(members, family) if family is not None else None
+            if card is not None and card.chain and not _replays_members(card, members):
+                card = None
+            out.extend([(card, members)] if card is not None else [(m, [m]) for m in members])
     return out
+
+
+def _replays_members(card: Card, members: list[Card]) -> bool:
+    """A fusion family's members are laid out by replaying its chain on the meta device: at every captured
+    point that must give the card capture made there (the same id), or the family is not folded."""
+    try:
+        replayed = {m.id for m in members_at_points(card)}
+    except (RuntimeError, ValueError, TypeError, NotImplementedError):  # an op with no meta kernel
+        return False
+    return replayed == {m.id for m in members}
 
 
 def _clusters(cards: list[Card]) -> list[list[Card]]:

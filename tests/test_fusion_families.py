@@ -270,3 +270,25 @@ def test_a_batched_rotary_kernel_that_serves_batch_0_only_is_rejected(envelope, 
     verdict = familyeval.evaluate(evaluator, card, cheat, bench=False)
     assert not verdict.accepted and verdict.category == "mismatch", verdict.reason
     assert verdict.diagnostics["family"]["failed_at"][card.family.dims[0].name] > 1
+
+
+@pytest.mark.parametrize("fault", ["no meta kernel", "wrong layout"])
+def test_a_chain_whose_meta_replay_fails_or_differs_stays_exact(envelope, monkeypatch, fault):
+    """Folding checks that the meta replay lays out every captured member as capture did; a chain with
+    an op that has no meta kernel, or one whose replay gives other layouts, is served exactly instead."""
+    from forgepack import opcall
+
+    _, _, exact = envelope
+    norms = [c for c in exact if c.fusion.pattern == "rmsnorm"]
+    assert any(c.family is not None for c in families.fold(norms))
+    real = opcall.chain_layouts
+
+    def faulty(card):
+        if fault == "no meta kernel":
+            raise NotImplementedError("aten::op has no meta kernel")
+        return [[(shape, tuple(s + 1 for s in stride), offset) for shape, stride, offset in outs]
+                for outs in real(card)]
+
+    monkeypatch.setattr(opcall, "chain_layouts", faulty)
+    folded = families.fold(norms)
+    assert all(c.family is None for c in folded) and {c.id for c in folded} == {c.id for c in norms}

@@ -708,6 +708,8 @@ class IndexedFusion(FusedTemplate):
                 return "an indexed family needs the varying dim outermost in every tensor"
             if any(isinstance(n, str) for n in layout.shape[1:]) or any(ds for _, ds in layout.stride[1:]):
                 return "an indexed family varies only the outermost (batch) axis"
+        if fam.dims[0].min > 1 or fam.dims[0].max < 2:
+            return "an indexed family is checked at batch 1 and 2: its range must hold both"
         one, two = (families.member(card, {name: n}) for n in (1, 2))
         for a, b in zip(one.chain, two.chain, strict=True):
             for x, y in zip(a.outs, b.outs, strict=True):

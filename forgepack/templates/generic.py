@@ -27,6 +27,7 @@ from forgepack.needs import Align, Needs
 from forgepack.templates.common import abi_counts_check, ctype, launch_status, scalar_checks
 
 GRID_CAP = 132 * 32  # grid-stride loops: enough blocks for every SM, whatever the size
+MAX_CAT_JOBS = 16  # a cat of more inputs launches per input: one launch's geometries would crowd its parameters
 
 
 def abi_check(card: Card) -> str:
@@ -317,7 +318,7 @@ def render_pointwise(card: Card, target: str, jobs: list, fields: list[str], ini
     if target == "cuda":
         head += f"constexpr int BLOCK = {params['block']};\n"
         kernels = "".join(_cuda_job(k, j) for k, j in enumerate(jobs))
-        if cat_dim is not None:
+        if cat_dim is not None and len(jobs) <= MAX_CAT_JOBS:
             kernels += _cuda_cat_kernel(jobs)
     else:
         kernels = "".join(_cpu_job(k, j) for k, j in enumerate(jobs))
@@ -341,7 +342,8 @@ def _launch(k: int, job, target: str, params: dict) -> str:
 
 def _cat_body(card: Card, jobs: list, target: str, params: dict, dim: int) -> list[str]:
     """Every input checked before anything is written (a refusal must leave the output untouched). On
-    cuda one launch writes every slice (`fp_gcat`), as aten's cat does; on cpu the jobs run in turn."""
+    cuda one launch writes every slice (`fp_gcat`), as aten's cat does (up to `MAX_CAT_JOBS` inputs); else
+    the jobs run in turn."""
     out = "call->outputs[0]"
     nd = len(card.outputs[0].shape)
     lines = ["int64_t total_ = 0, onumel_ = 1;", f"for (int d = 0; d < {nd}; ++d) onumel_ *= {out}.sizes[d];",
@@ -353,7 +355,8 @@ def _cat_body(card: Card, jobs: list, target: str, params: dict, dim: int) -> li
                      f"total_ += {t}.sizes[{dim}]; }}")
     lines.append(f"if (total_ != {out}.sizes[{dim}]) return FP_ERR_UNSUPPORTED;")
     lines.append("int64_t start_ = 0;")
-    if target == "cuda":
+    one_launch = target == "cuda" and len(jobs) <= MAX_CAT_JOBS
+    if one_launch:
         lines.append("fp_cat c_;")
     for k, job in enumerate(jobs):
         t = f"call->inputs[{job.in_slots[0]}]"
@@ -363,13 +366,13 @@ def _cat_body(card: Card, jobs: list, target: str, params: dict, dim: int) -> li
                     f"    if (!fp_geom_view(&g, 1, &{t}, true)) return FP_ERR_UNSUPPORTED;\n"
                     f"    start_ += {t}.sizes[{dim}];\n"
                     f"    fp_geom_coalesce(&g);")
-        if target == "cuda":
+        if one_launch:
             lines.append(f"{{ fp_geom& g = c_.g[{k}]; g.nd = 1; g.numel = 0;\n"
                          f"  if (fp_numel(&{t}) != 0) {{ {geometry} }} }}")
         else:
             launch = _launch(k, job, target, params)
             lines.append(f"if (fp_numel(&{t}) != 0) {{ fp_geom g; {geometry}\n    {launch}\n  }}")
-    if target == "cuda":
+    if one_launch:
         lines.append(_cuda_cat_launch(jobs, params["vec"]))
     return lines
 
