@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_adversarial import kernel_text
 
 from forgepack import samples as samples_mod
 from forgepack import verify
@@ -247,7 +248,7 @@ def test_a_correct_kernel_survives_the_benchmark_at_401408_elements(ev):
     invalid next size" only when benchmarked."""
     torch.manual_seed(0)
     card = card_from_call(torch.ops.aten.gelu.default, (torch.randn(392, 1024),))[0]
-    verdict = ev.evaluate(card, (KERNELS / "gelu_cpu.cpp").read_text(), margin=-0.99)
+    verdict = ev.evaluate(card, kernel_text("gelu_cpu.cpp"), margin=-0.99)
     assert verdict.category in (None, "slower"), verdict.reason
     assert verdict.kernel_us and verdict.bench_s > 0
 

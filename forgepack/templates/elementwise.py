@@ -471,8 +471,9 @@ def round_to(x: float, dtype: str) -> float:
 
 @functools.cache
 def _aten_cpu_gelu_inf_is_nan() -> bool:
-    """Whether this torch's vectorised CPU gelu gives NaN at +inf (it differs between builds: torch 2.13's
-    gives inf), asked of aten itself on a contiguous run long enough for its vector path."""
+    """Whether this torch's vectorised CPU gelu gives NaN at +inf (it differs between builds and CPUs: torch
+    2.13's gave inf on one machine and NaN on another), asked of aten itself on a contiguous run long
+    enough for its vector path."""
     import torch
 
     y = torch.nn.functional.gelu(torch.full((64,), float("inf")))

@@ -1,8 +1,14 @@
 /* Correct exact GELU for the cpu target (float32, contiguous): a plain in-bounds loop.
  * Control: must be accepted, with and without the benchmark (issue 18: at 401,408 elements the
- * harness's freed benchmark output buffer made it abort with "malloc(): invalid next size"). */
+ * harness's freed benchmark output buffer made it abort with "malloc(): invalid next size").
+ * At +inf it gives what this torch's vectorised CPU gelu gives there, NaN on some builds and CPUs,
+ * inf on others: the tests define FP_GELU_INF_IS_NAN as aten answers (`gelu_cpu_source`). */
 #include <math.h>
 #include <stdint.h>
+
+#ifndef FP_GELU_INF_IS_NAN
+#define FP_GELU_INF_IS_NAN 0
+#endif
 
 #include "forgepack_abi.h"
 
@@ -16,7 +22,7 @@ FP_EXPORT int32_t forgepack_kernel(const fp_call* call) {
   float* yp = (float*)call->outputs[0].data;
   for (int64_t i = 0; i < n; ++i) {
     const float v = xp[i];
-    yp[i] = 0.5f * v * (1.0f + erff(v * 0.70710678f));
+    yp[i] = (FP_GELU_INF_IS_NAN && v == INFINITY) ? NAN : 0.5f * v * (1.0f + erff(v * 0.70710678f));
   }
   return FP_OK;
 }
