@@ -710,7 +710,10 @@ class IndexedFusion(FusedTemplate):
                 return "an indexed family varies only the outermost (batch) axis"
         if fam.dims[0].min > 1 or fam.dims[0].max < 2:
             return "an indexed family is checked at batch 1 and 2: its range must hold both"
-        one, two = (families.member(card, {name: n}) for n in (1, 2))
+        try:
+            one, two = (families.member(card, {name: n}) for n in (1, 2))
+        except (RuntimeError, ValueError, TypeError, NotImplementedError) as err:  # the chain's meta replay
+            return f"the chain does not replay at batch 1 and 2: {err}"
         for a, b in zip(one.chain, two.chain, strict=True):
             for x, y in zip(a.outs, b.outs, strict=True):
                 if not x.shape or (x.shape[0], y.shape[0]) != (1, 2) or x.shape[1:] != y.shape[1:] \
@@ -774,7 +777,7 @@ class IndexedFusion(FusedTemplate):
         """The batch-1 member's functions; each batch index moves every pointer by its tensor's outermost
         stride (2-D grid on cuda: blockIdx.y is the batch index)."""
         one = plan.info
-        code, inits, sizes = self._functions(one, plan.base, target, generic.helpers(1))
+        code, inits, sizes = self._functions(one, plan.base, target, generic.helpers(1), batched=True)
         ins, outs = one.tensor_inputs(), one.outputs
         descs = [(f"call->inputs[{i}]", f"in{i}", m) for i, m in enumerate(ins)]
         descs += [(f"call->outputs[{j}]", f"out{j}", m) for j, m in enumerate(outs)]
@@ -814,9 +817,11 @@ class IndexedFusion(FusedTemplate):
         return (f"\n__global__ void __launch_bounds__({block}) fp_indexed({params}) {{\n{move}"
                 f"  {itype} b = blockIdx.x;\n" + "\n".join(dispatch) + "\n}\n"), total
 
-    def _functions(self, card, plan, target, helpers: str = "") -> tuple[str, list[str], list[int]]:
-        """The prelude (then `helpers`), `fp_args`, one `fp_out<j>` per output (and `fp_move`, which moves
-        every pointer to a batch index), the host initialisers, each output's element count."""
+    def _functions(self, card, plan, target, helpers: str = "",
+                   batched: bool = False) -> tuple[str, list[str], list[int]]:
+        """The prelude (then `helpers`), `fp_args`, one `fp_out<j>` per output (`batched` on cuda: and
+        `fp_move`, which moves every pointer to a batch index), the host initialisers, each output's
+        element count."""
         itype = plan["itype"]
         ins, outs = card.tensor_inputs(), card.outputs
         fields, inits = [], []
@@ -837,7 +842,7 @@ class IndexedFusion(FusedTemplate):
             funcs.append(f"\nFP_FN void fp_out{j}(const fp_args& p, {itype} e_) {{\n  {body}\n}}\n")
         names = [f"in{i}" for i in range(len(ins))] + [f"out{j}" for j in range(len(outs))]
         moves = " ".join(f"p.{n} += bt * st.s[{k}];" for k, n in enumerate(names))
-        if target == "cuda":
+        if batched and target == "cuda":
             funcs.append(f"\nstruct fp_batch {{ int64_t s[{len(names)}]; }};\n"
                          f"__device__ __forceinline__ void fp_move(fp_args& p, const fp_batch& st, int64_t bt) "
                          f"{{ {moves} }}\n")
