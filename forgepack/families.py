@@ -112,13 +112,21 @@ def fold_members(cards: Iterable[Card], min_members: int = 2) -> list[tuple[Card
 
 
 def _replays_members(card: Card, members: list[Card]) -> bool:
-    """A fusion family's members are laid out by replaying its chain on the meta device: at every captured
-    point that must give the card capture made there (the same id), or the family is not folded."""
-    try:
-        replayed = {m.id for m in members_at_points(card)}
-    except (RuntimeError, ValueError, TypeError, NotImplementedError):  # an op with no meta kernel
-        return False
-    return replayed == {m.id for m in members}
+    """A fusion family's members are laid out by replaying its chain on the meta device: replayed on each
+    captured member's own inputs, that must give every chain value the layout capture saw, or the family
+    is not folded. (A member at a captured point may differ from the captured card where the family's
+    rules leave a stride free or never read: a size-1 axis's.)"""
+    from forgepack import opcall
+
+    for m in members:
+        try:
+            replayed = opcall.chain_layouts(m)
+        except (RuntimeError, ValueError, TypeError, NotImplementedError):  # an op with no meta kernel
+            return False
+        seen = [[(o.shape, o.stride, o.storage_offset) for o in e.outs] for e in m.chain]
+        if replayed != seen:
+            return False
+    return True
 
 
 def _clusters(cards: list[Card]) -> list[list[Card]]:
@@ -227,18 +235,21 @@ def _broadcast_at_some_points(vec: tuple[int, ...], values: dict[tuple, tuple[in
 def _stride_rule(strides: list[int], sizes: list[int], dims: dict[str, tuple[int, ...]]) -> tuple | None:
     """(c, dims) with stride == c * prod(dims) at every point, fewest dims first; None if there is none.
 
-    A size-1 axis's stride is never read (PyTorch sets it freely), so any rule that holds elsewhere does;
-    it is recorded as (stride at the first point, ())."""
-    if all(n == 1 for n in sizes):
+    A size-1 axis's stride is never read (PyTorch sets it freely), so the points where the axis is 1 do
+    not count: any rule that holds at the others does (a batch-1 view of a fused qkv buffer beside its
+    batch-3 twin); an axis 1 at every point is recorded as (stride at the first point, ())."""
+    read = [i for i, n in enumerate(sizes) if n != 1]
+    if not read:
         return (strides[0], ())
     names = list(dims)
     for r in range(min(MAX_STRIDE_DIMS, len(names)) + 1):
         for combo in itertools.combinations(names, r):
-            prods = [math.prod(dims[d][i] for d in combo) for i in range(len(strides))]
-            if any(p == 0 for p in prods) or strides[0] % prods[0]:
+            prods = [math.prod(dims[d][i] for d in combo) for i in read]
+            first = strides[read[0]]
+            if any(p == 0 for p in prods) or first % prods[0]:
                 continue
-            c = strides[0] // prods[0]
-            if all(s == c * p for s, p in zip(strides, prods, strict=True)):
+            c = first // prods[0]
+            if all(strides[i] == c * p for i, p in zip(read, prods, strict=True)):
                 return (c, combo)
     return None
 

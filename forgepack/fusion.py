@@ -780,11 +780,19 @@ def build_points(model: torch.nn.Module, points: list[tuple[Capture, Callable[[]
     kept = [c for c in merged.cards if c.id not in dropped]
     total = sum(c.profile.total_us for c in op_cards if c.profile)
     profiled = profile_cards(kept, merged.samples, device, facts, total, op_cards) if facts is not None else kept
+    def wanted(c: Card) -> bool:
+        return c.family is not None or c.id not in prefill_only or c.id in elsewhere
+
     cards = []
     for card, members in families.fold_members(profiled):
-        # a family no template renders size-generic (rotary's index math) is served as its exact members
-        exact = members if card.family is not None and not templates.templates_for(card, device.type) else [card]
-        cards += [c for c in exact if c.family is not None or c.id not in prefill_only or c.id in elsewhere]
+        if card.family is None or templates.templates_for(card, device.type):
+            cards.append(card)
+            continue
+        # a family no template renders size-generic (rotary over batch and tokens): the decode steps'
+        # members alone may fold into one that is (rotary over the batch); else each member stays exact
+        for again, some in families.fold_members([m for m in members if wanted(m)]):
+            servable = again.family is None or templates.templates_for(again, device.type)
+            cards += [again] if servable else [m for m in some if wanted(m)]
     # a family keeps its most-called member's samples (its args are that member's)
     samples = {c.id: merged.samples[variant_id(c.op, c.args) if c.family else c.id] for c in cards}
     return FusionResult(cards, samples, dropped, skipped)

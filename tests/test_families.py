@@ -163,3 +163,18 @@ def test_a_slice_of_a_growing_buffer_folds_with_a_free_stride_and_batch_1_steps_
     assert families.member(fam, {"d0": 3}).tensor_inputs()[1].shape == (3, 1)
     again = cards.from_json(cards.to_json(fam))
     assert again == fam and again.id == fam.id
+
+
+def test_a_size_1_axis_s_stride_does_not_count_toward_its_rule():
+    """A batch-1 slice of a wider buffer is contiguous (PyTorch gives the size-1 axis whatever stride),
+    its batch-3 twin has the buffer's row length as stride: one family whose rule is the buffer's, and
+    both still bind (a size-1 axis's stride is never read)."""
+    from forgepack.capture import card_from_call
+
+    neg = torch.ops.aten.neg.default
+    calls = [card_from_call(neg, (torch.randn(1, 32),), {})[0]]
+    calls += [card_from_call(neg, (torch.randn(b, 64)[:, :32],), {})[0] for b in (2, 3)]
+    assert calls[0].tensor_inputs()[0].stride == (32, 1) and calls[1].tensor_inputs()[0].stride == (64, 1)
+    (card,) = families.fold(calls)
+    assert card.family is not None and card.family.inputs[0].stride[0] == (64, ())
+    assert all(families.bind(card, c.tensor_inputs()) == {"d0": c.tensor_inputs()[0].shape[0]} for c in calls)

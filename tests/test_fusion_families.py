@@ -105,8 +105,8 @@ def test_family_fused_kernels_verify_at_every_check_point(envelope, evaluator, p
 
 def test_a_decode_rotary_family_runs_the_batch_1_kernel_per_batch_index(envelope, evaluator):
     """A decode step's rotary varies only the batch, the outermost axis of every tensor: `fused.indexed`
-    renders the batch-1 member's index math and moves each pointer by its tensor's batch stride. A
-    prefill's rotary also varies its tokens, an inner axis, and is refused; so is the rotary tables'
+    renders the batch-1 member's index math and moves each pointer by its tensor's batch stride. With the
+    prefills' rotary it also varies the tokens, an inner axis, and is refused; so is the rotary tables'
     chain, whose inverse frequencies have no batch axis."""
     _, cards, exact = envelope
     t = by_name("fused.indexed")
@@ -116,9 +116,10 @@ def test_a_decode_rotary_family_runs_the_batch_1_kernel_per_batch_index(envelope
     assert "bt < nb_" in src
     verdict = familyeval.evaluate(evaluator, card, src, bench=False)
     assert verdict.accepted, verdict.reason
-    prefill = [c for c in families.fold(c for c in exact if c.fusion.pattern == "rotary")
-               if c.family is not None and c.tensor_inputs()[0].shape[2] != 1]
-    assert prefill and "outermost" in t.supports(prefill[0], "cpu")
+    # every point's rotary folds into one family over batch and tokens: refused, and the build folds the
+    # decode steps' alone
+    spanning = [c for c in families.fold(c for c in exact if c.fusion.pattern == "rotary") if c.family is not None]
+    assert spanning and len(spanning[0].family.dims) == 2 and "outermost" in t.supports(spanning[0], "cpu")
     tables = [c for c in families.fold(c for c in exact if c.fusion.pattern == "chain") if c.family is not None]
     assert tables and "outermost" in t.supports(tables[0], "cpu")
     assert all(c.family is None for c in cards if c.fusion.pattern == "chain")
@@ -292,3 +293,31 @@ def test_a_chain_whose_meta_replay_fails_or_differs_stays_exact(envelope, monkey
     monkeypatch.setattr(opcall, "chain_layouts", faulty)
     folded = families.fold(norms)
     assert all(c.family is None for c in folded) and {c.id for c in folded} == {c.id for c in norms}
+
+
+HELD_OUT = {
+    "gemma2": ("Gemma2ForCausalLM", {"model_type": "gemma2", "head_dim": 8, "query_pre_attn_scalar": 8}),
+    "phi3": ("Phi3ForCausalLM", {"model_type": "phi3", "pad_token_id": 0}),  # fused qkv and gate_up buffers
+}
+
+
+@pytest.mark.parametrize("name", sorted(HELD_OUT))
+def test_held_out_architectures_fold_their_chains_and_verify_over_the_range(name, evaluator):
+    """Gemma-2's RMSNorm scales by (1 + w); Phi-3 takes q, k and v as views of one fused buffer, so a
+    batch-1 step's views are contiguous and a batch-3 step's have the buffer's row as stride. Both fold
+    RMSNorm and the decode steps' rotary into families, and each verifies at every check point."""
+    arch, extra = HELD_OUT[name]
+    config = {k: v for k, v in TINY.items() if k != "model_type"} | extra
+    r = dataclasses.replace(_recipe(**WORKLOAD), name=f"tiny-{name}")
+    r = dataclasses.replace(r, model=dataclasses.replace(r.model, arch=arch, config=config))
+    per_point: list = []
+    with models.quiet_transformers():
+        lm = models.load(r)
+        profile.capture_envelope(lm, lambda *_: None, per_point)
+        result = fusion.build_points(lm.model, per_point, lm.device, None, [])
+    fams = {c.fusion.pattern: c for c in result.cards if c.family is not None}
+    assert {"rmsnorm", "rotary"} <= set(fams) and not result.dropped
+    for card in fams.values():
+        t = templates_for(card, "cpu")[0]
+        verdict = familyeval.evaluate(evaluator, card, t.render(card, "cpu", t.default(card, "cpu")), bench=False)
+        assert verdict.accepted, f"{card.fusion.pattern}: {verdict.reason}"
