@@ -321,3 +321,16 @@ def test_held_out_architectures_fold_their_chains_and_verify_over_the_range(name
         t = templates_for(card, "cpu")[0]
         verdict = familyeval.evaluate(evaluator, card, t.render(card, "cpu", t.default(card, "cpu")), bench=False)
         assert verdict.accepted, f"{card.fusion.pattern}: {verdict.reason}"
+
+
+def test_fusion_family_cards_round_trip_through_the_workspace_json(envelope):
+    """What the build writes and the search, the builder and `forgepack inspect` read back."""
+    import json
+
+    from forgepack import cards as cards_mod
+
+    _, cards, _ = envelope
+    assert any(c.family is not None for c in cards)
+    for card in cards:
+        back = cards_mod.from_json(json.loads(json.dumps(cards_mod.to_json(card))))
+        assert back == card and back.id == card.id
