@@ -268,29 +268,29 @@ def _family_card(members: list[Card], family: Family) -> Card:
             if s not in sites and len(sites) < MAX_FUSION_SITES:
                 sites.append(s)
         extra["fusion"] = dataclasses.replace(rep.fusion, sites=tuple(sites))
-    if all(c.profile is not None for c in members):
-        extra["profile"], weights = _summed_profile(members)
+    if all(c.profile is not None for c in members):  # folded after profiling (fusion cards)
+        extra["profile"], weights = summed_profile([(c.calls, c.profile) for c in members], rep.profile)
         family = dataclasses.replace(family, point_weights=weights)
     return dataclasses.replace(rep, family=family, calls=calls, modules=modules, **extra)
 
 
-def _summed_profile(members: list[Card]) -> tuple[Profile, tuple[float, ...]]:
-    """The family's profile from its members' (each at its own point, calls as captured there): per-call
-    figures over the envelope, totals summed; and each point's share of the family's time."""
-    calls = sum(c.calls for c in members) or 1
-    total = sum(c.profile.total_us for c in members)
+def summed_profile(points: list[tuple[int, Profile]], rep: Profile) -> tuple[Profile, tuple[float, ...]]:
+    """A family's profile from its points' (calls there, the profile of one call there): per-call figures
+    over the envelope, totals and shares summed, the class and kernels of `rep`; and each point's share
+    of the family's time (`Family.point_weights`)."""
+    calls = sum(n for n, _ in points) or 1
+    totals = [n * p.eager_us for n, p in points]
+    total = sum(totals)
 
     def per_call(attr: str) -> float:
-        return sum(c.calls * getattr(c.profile, attr) for c in members) / calls
+        return sum(n * getattr(p, attr) for n, p in points) / calls
 
     roof = per_call("roofline_us")
-    rep = max(members, key=lambda c: c.calls).profile
-    profile = Profile(eager_us=total / calls, total_us=total, share=sum(c.profile.share for c in members),
+    profile = Profile(eager_us=total / calls, total_us=total, share=sum(p.share for _, p in points),
                       bytes=round(per_call("bytes")), flops=round(per_call("flops")), roofline_us=roof,
                       headroom=(total / calls) / roof if roof > 0 else 1.0, baseline=rep.baseline,
                       kernels=rep.kernels)
-    weights = tuple(c.profile.total_us / total if total > 0 else 1 / len(members) for c in members)
-    return profile, weights
+    return profile, tuple(t / total if total > 0 else 1 / len(totals) for t in totals)
 
 
 # --- unfold -----------------------------------------------------------------------------------------------

@@ -159,20 +159,8 @@ def measure_family(card: Card, sample_map: dict[str, list], device: torch.device
     timed = {i: measure_card(members[i], sample_map.get(members[i].id, []), device, facts, classify_it=i == rep_idx)
              for i in timed_idx}
     profiles = [timed.get(i) or _scaled(members[i], timed, facts) for i in range(len(members))]
-    calls = sum(family.point_calls) or 1
-    totals = [n * p.eager_us for n, p in zip(family.point_calls, profiles, strict=True)]
-    total = sum(totals)
-
-    def per_call(attr: str) -> float:
-        return sum(n * getattr(p, attr) for n, p in zip(family.point_calls, profiles, strict=True)) / calls
-
-    rep = timed[rep_idx]
-    roof_us = per_call("roofline_us")
-    profile = Profile(eager_us=total / calls, total_us=total, bytes=round(per_call("bytes")),
-                      flops=round(per_call("flops")), roofline_us=roof_us,
-                      headroom=(total / calls) / roof_us if roof_us > 0 else 1.0, baseline=rep.baseline,
-                      kernels=rep.kernels)
-    weights = tuple(t / total if total > 0 else 1 / len(totals) for t in totals)
+    points = list(zip(family.point_calls, profiles, strict=True))
+    profile, weights = families.summed_profile(points, timed[rep_idx])
     return dataclasses.replace(card, family=dataclasses.replace(family, point_weights=weights), profile=profile)
 
 
