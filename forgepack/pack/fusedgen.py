@@ -122,8 +122,7 @@ def _variant_specs(k: int, v: FusedVariant) -> tuple[list[str], str]:
     needs = v.stated_needs()
     needs_mod.validate(needs, card)
     lines.append(f"// family: {card.family_text()}")
-    ranges = ", ".join("{{{}, {}}}".format(*fam.served_range(d.name)) for d in fam.dims)
-    lines.append(f"constexpr fpg::DimRange f{k}_ranges[] = {{{ranges}}};")
+    lines.append(shimgen.dim_ranges(f"f{k}_ranges", fam))
     for i, (m, layout) in enumerate(zip(card.tensor_inputs(), fam.inputs, strict=True)):
         lines += shimgen._family_constants(f"f{k}_in{i}", m, layout, fam, needs.align[i])
     for j, (m, layout) in enumerate(zip(card.outputs, fam.outputs, strict=True)):

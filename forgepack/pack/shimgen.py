@@ -337,6 +337,12 @@ def _family_constants(name: str, m: TensorMeta, layout: Layout, family: Family, 
     return lines
 
 
+def dim_ranges(name: str, family: Family) -> str:
+    """The family's dims as the guard binds them (`fpg::DimRange`): each one's served range."""
+    ranges = ", ".join("{{{}, {}}}".format(*family.served_range(d.name)) for d in family.dims)
+    return f"constexpr fpg::DimRange {name}[] = {{{ranges}}};"
+
+
 def _numel_expr(layout: Layout, family: Family, dv: str) -> str:
     index = {d.name: i for i, d in enumerate(family.dims)}
     fixed = math.prod(x for x in layout.shape if isinstance(x, int))
@@ -378,8 +384,7 @@ def _variant_block(v: int, sv: ShimVariant, fs, struct_r: str) -> tuple[list[str
     consts: list[str] = [f"// variant {v}: {card.id}  {card.signature()}"]
     if fam is not None:
         consts.append(f"// family: {card.family_text()}")
-        ranges = ", ".join("{{{}, {}}}".format(*fam.served_range(d.name)) for d in fam.dims)
-        consts.append(f"constexpr fpg::DimRange v{v}_ranges[] = {{{ranges}}};")
+        consts.append(dim_ranges(f"v{v}_ranges", fam))
         if fam.served:  # the whole verified range too: a call inside it but outside the served one is counted
             verified = ", ".join(f"{{{d.min}, {d.max}}}" for d in fam.dims)
             consts.append(f"constexpr fpg::DimRange v{v}_verified[] = {{{verified}}};")
