@@ -300,12 +300,13 @@ def _cuda_launch(k: int, job, vec: int) -> str:
             f"    }} }}")
 
 
-def _typed_launches(kernel: str, vec: int, grid: str, geometry: str) -> str:
-    """`kernel` launched with 32-bit index math where the geometry fits it, vectors where `vec_` allows."""
+def _typed_launches(kernel: str, vec: int, grid: str, geometry: str, fits: str = "fp_geom_fits32(&g)") -> str:
+    """`kernel` launched with 32-bit index math where `fits` (the geometry fits it), vectors where `vec_`
+    allows."""
     def one(itype: str) -> str:
         launch = f"<<<{grid}, BLOCK, 0, stream>>>(p, {geometry});"
         return f"if (vec_) {kernel}<{itype}, {vec}>{launch} else {kernel}<{itype}, 1>{launch}"
-    return f"if (fp_geom_fits32(&g)) {{ {one('uint32_t')} }} else {{ {one('uint64_t')} }}"
+    return f"if ({fits}) {{ {one('uint32_t')} }} else {{ {one('uint64_t')} }}"
 
 
 def render_pointwise(card: Card, target: str, jobs: list, fields: list[str], inits: list[str], params: dict,
@@ -407,13 +408,12 @@ def _cuda_cat_launch(jobs: list, vec: int) -> str:
                      f"fp_geom_vec_ok(&g, 1, p.in{job.in_slots[0]}, {vec}, {items[1]}); "
                      f"fits_ = fits_ && fp_geom_fits32(&g); }}")
     n = len(jobs)
-    launch = f"<<<(unsigned)c_.first[{n}], BLOCK, 0, stream>>>(p, c_);"
+    launch = _typed_launches("fp_gcat", vec, f"(unsigned)c_.first[{n}]", "c_", fits="fits_")
     return ("{ " + f"bool vec_ = {'true' if vec > 1 else 'false'}, fits_ = true;\n  " + "\n  ".join(tests) + "\n  "
             f"c_.first[0] = 0;\n  for (int k = 0; k < {n}; ++k) c_.first[k + 1] = c_.first[k] + "
             f"(c_.g[k].numel / (vec_ ? {vec} : 1) + BLOCK - 1) / BLOCK;\n  "
             f"if (c_.first[{n}] >= (1LL << 31)) return FP_ERR_UNSUPPORTED;\n  if (c_.first[{n}] == 0) return FP_OK;\n  "
-            f"if (fits_) {{ if (vec_) fp_gcat<uint32_t, {vec}>{launch} else fp_gcat<uint32_t, 1>{launch} }}\n  "
-            f"else {{ if (vec_) fp_gcat<uint64_t, {vec}>{launch} else fp_gcat<uint64_t, 1>{launch} }} }}")
+            f"{launch} }}")
 
 
 @dataclass(frozen=True)
