@@ -182,7 +182,10 @@ def test_generic_cuda_kernels_compile_for_sm90(fams):
             sources.append(t.render(card, "cuda", params))
             assert "fp_geom" in sources[-1]
             needs.validate(t.needs(card, "cuda", params), card)  # every generic template states valid needs
-    assert len(sources) >= 20
+            far = _far_point(t.space(card, "cuda"), params)
+            if far != params:  # the searched corners compile too: several vectors per thread, cache hints
+                sources.append(t.render(card, "cuda", far))
+    assert len(sources) >= 30
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "batch.cu"
         path.write_text(batch_unit(sources, "cuda"))
@@ -192,6 +195,11 @@ def test_generic_cuda_kernels_compile_for_sm90(fams):
     assert out.returncode == 0, out.stderr[-4000:]
     res = compile_kernel(sources[0], "cuda", arch="sm_90")  # the real compile path and its static checks
     assert res.ok, res.log
+
+
+def _far_point(axes: dict, params: dict) -> dict:
+    """`params` with the most vectors per thread and the last cache hints the template searches."""
+    return {**params, **{k: axes[k][-1] for k in ("unroll", "ld", "st") if k in axes}}
 
 
 def _decode_family():
@@ -230,7 +238,8 @@ def test_generic_cuda_kernels_verify_at_every_check_point_on_the_gpu(fams):
         for op, part, name in picks:
             card = on_device(_pick(fams, op, part), "cuda")
             t = by_name(name)
-            for params in (t.default(card, "cuda"), {**t.default(card, "cuda"), "vec": 1}):
+            default = t.default(card, "cuda")
+            for params in (default, {**default, "vec": 1}, _far_point(t.space(card, "cuda"), default)):
                 verdict = familyeval.evaluate(ev, card, t.render(card, "cuda", params), bench=False)
                 assert verdict.accepted, f"{name} {params}: {verdict.reason}"
         card = _decode_family()

@@ -607,3 +607,67 @@ def batch_unit(sources: list[str], target: str) -> str:
         body = "\n".join(ln for ln in lines if not ln.startswith("#include"))
         parts.append(f"namespace k{i} {{\n{body}\n}}  // namespace k{i}\n")
     return "\n".join([head, *includes, *parts[1:]])
+
+
+# Cache policies of the streaming vector accesses (binary ops, cat): plain, or for loads
+# "nc" = ld.global.nc.L1::no_allocate.L2::256B (read-only path, no L1 line, the L2 fetching 256-byte
+# blocks from DRAM), "cs" = evict-first streaming; for stores "cs" = st.global.cs (evict-first).
+LOAD_HINTS = ["plain", "nc", "cs"]
+STORE_HINTS = ["plain", "cs"]
+
+_HINT_PTX = {"nc": "ld.global.nc.L1::no_allocate.L2::256B", "cs": "ld.global.cs", "st_cs": "st.global.cs"}
+
+
+def hint_helpers(ld: str, st: str) -> str:
+    """`fp_load(const V*)` / `fp_store(V*, V)` for any fp_vec (1 to 64 bytes) with the chosen cache
+    policies, as 16/8/4/2-byte PTX accesses (plain C++ below sm_80, or for 1-byte vectors)."""
+    def chunks(op: str, store: bool) -> str:
+        forms = [("16", "uint4", "v4.u32", "{%s,%s,%s,%s}", ["x", "y", "z", "w"], "r"),
+                 ("8", "uint2", "v2.u32", "{%s,%s}", ["x", "y"], "r"),
+                 ("4", "unsigned int", "u32", "%s", [None], "r"), ("2", "unsigned short", "u16", "%s", [None], "h")]
+        out = []
+        for size, ct, suffix, regs, fields, con in forms:
+            n = len(fields)
+            names = [f"u.{f}" if f else "u" for f in fields]
+            head = f"if constexpr (S % {size} == 0) {{\n#pragma unroll\n  for (int k = 0; k < S / {size}; ++k) {{\n"
+            if store:
+                args = ", ".join(f'"{con}"({x})' for x in names)
+                ops = regs % tuple(f"%{i + 1}" for i in range(n))
+                body = (f"    const {ct} u = reinterpret_cast<const {ct}*>(&v)[k];\n"
+                        f'    asm volatile("{op}.{suffix} [%0], {ops};" :: "l"(reinterpret_cast<{ct}*>(p) + k), {args}'
+                        f' : "memory");\n')
+            else:
+                outs = ", ".join(f'"={con}"({x})' for x in names)
+                ops = regs % tuple(f"%{i}" for i in range(n))
+                src = f"reinterpret_cast<const {ct}*>(p) + k"
+                body = (f"    {ct} u;\n"
+                        f'    asm("{op}.{suffix} {ops}, [%{n}];" : {outs} : "l"({src}));\n'
+                        f"    reinterpret_cast<{ct}*>(&r)[k] = u;\n")
+            out.append(head + body + "  }\n} else ")
+        return "".join(out) + ("{ *p = v; }" if store else "{ r = *p; }")
+
+    load = "template <typename V> FP_FN V fp_load(const V* p) { return *p; }\n"
+    store = "template <typename V> FP_FN void fp_store(V* p, const V& v) { *p = v; }\n"
+    if ld != "plain":
+        load = f"""template <typename V> FP_FN V fp_load(const V* p) {{
+  V r;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  constexpr int S = sizeof(V);
+  {chunks(_HINT_PTX[ld], False)}
+#else
+  r = *p;
+#endif
+  return r;
+}}
+"""
+    if st != "plain":
+        store = f"""template <typename V> FP_FN void fp_store(V* p, const V& v) {{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  constexpr int S = sizeof(V);
+  {chunks(_HINT_PTX["st_" + st], True)}
+#else
+  *p = v;
+#endif
+}}
+"""
+    return "\n" + load + store

@@ -30,6 +30,8 @@ from forgepack.templates import generic
 from forgepack.templates.common import (
     CAST_SOURCES,
     FLOATS,
+    LOAD_HINTS,
+    STORE_HINTS,
     FamilyPlan,
     Template,
     View,
@@ -41,6 +43,7 @@ from forgepack.templates.common import (
     ctype,
     entry,
     flit,
+    hint_helpers,
     index_type,
     launch_status,
     offsets_code,
@@ -52,70 +55,9 @@ from forgepack.templates.common import (
 
 BLOCKS = [128, 256, 512, 1024]
 UNROLLS = [1, 2, 4, 8]
+FAMILY_UNROLLS = [1, 2, 4]  # a family kernel's vectors per thread: 1 first (decode sizes), more for long caches
 SM_COUNT = 132  # H200; only used for the default's "enough blocks" heuristic
-# Cache policies of the streaming vector accesses (binary ops, cat): plain, or for loads
-# "nc" = ld.global.nc.L1::no_allocate.L2::256B (read-only path, no L1 line, the L2 fetching 256-byte
-# blocks from DRAM), "cs" = evict-first streaming; for stores "cs" = st.global.cs (evict-first).
-LOAD_HINTS = ["plain", "nc", "cs"]
-STORE_HINTS = ["plain", "cs"]
 ORDERS = ["split", "interleave"]  # several jobs: one after another, or their blocks round-robin
-
-_HINT_PTX = {"nc": "ld.global.nc.L1::no_allocate.L2::256B", "cs": "ld.global.cs", "st_cs": "st.global.cs"}
-
-
-def _hint_helpers(ld: str, st: str) -> str:
-    """`fp_load(const V*)` / `fp_store(V*, V)` for any fp_vec (1 to 64 bytes) with the chosen cache
-    policies, as 16/8/4/2-byte PTX accesses (plain C++ below sm_80, or for 1-byte vectors)."""
-    def chunks(op: str, store: bool) -> str:
-        forms = [("16", "uint4", "v4.u32", "{%s,%s,%s,%s}", ["x", "y", "z", "w"], "r"),
-                 ("8", "uint2", "v2.u32", "{%s,%s}", ["x", "y"], "r"),
-                 ("4", "unsigned int", "u32", "%s", [None], "r"), ("2", "unsigned short", "u16", "%s", [None], "h")]
-        out = []
-        for size, ct, suffix, regs, fields, con in forms:
-            n = len(fields)
-            names = [f"u.{f}" if f else "u" for f in fields]
-            head = f"if constexpr (S % {size} == 0) {{\n#pragma unroll\n  for (int k = 0; k < S / {size}; ++k) {{\n"
-            if store:
-                args = ", ".join(f'"{con}"({x})' for x in names)
-                ops = regs % tuple(f"%{i + 1}" for i in range(n))
-                body = (f"    const {ct} u = reinterpret_cast<const {ct}*>(&v)[k];\n"
-                        f'    asm volatile("{op}.{suffix} [%0], {ops};" :: "l"(reinterpret_cast<{ct}*>(p) + k), {args}'
-                        f' : "memory");\n')
-            else:
-                outs = ", ".join(f'"={con}"({x})' for x in names)
-                ops = regs % tuple(f"%{i}" for i in range(n))
-                src = f"reinterpret_cast<const {ct}*>(p) + k"
-                body = (f"    {ct} u;\n"
-                        f'    asm("{op}.{suffix} {ops}, [%{n}];" : {outs} : "l"({src}));\n'
-                        f"    reinterpret_cast<{ct}*>(&r)[k] = u;\n")
-            out.append(head + body + "  }\n} else ")
-        return "".join(out) + ("{ *p = v; }" if store else "{ r = *p; }")
-
-    load = "template <typename V> FP_FN V fp_load(const V* p) { return *p; }\n"
-    store = "template <typename V> FP_FN void fp_store(V* p, const V& v) { *p = v; }\n"
-    if ld != "plain":
-        load = f"""template <typename V> FP_FN V fp_load(const V* p) {{
-  V r;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  constexpr int S = sizeof(V);
-  {chunks(_HINT_PTX[ld], False)}
-#else
-  r = *p;
-#endif
-  return r;
-}}
-"""
-    if st != "plain":
-        store = f"""template <typename V> FP_FN void fp_store(V* p, const V& v) {{
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  constexpr int S = sizeof(V);
-  {chunks(_HINT_PTX["st_" + st], True)}
-#else
-  *p = v;
-#endif
-}}
-"""
-    return "\n" + load + store
 
 
 @dataclass(frozen=True)
@@ -283,7 +225,7 @@ def render_pointwise(card: Card, target: str, jobs: list[Job], params: dict) -> 
     grid_v = sum(ceil_div(j.numel // v, per_block) for j, v in zip(jobs, vecs, strict=True))
     grid_1 = sum(ceil_div(j.numel, per_block) for j in jobs)
     body = head + f"constexpr int BLOCK = {block};\nconstexpr int UNROLL = {unroll};\n"
-    body += _hint_helpers(params.get("ld", "plain"), params.get("st", "plain"))
+    body += hint_helpers(params.get("ld", "plain"), params.get("st", "plain"))
     body += f"FP_FN bool fp_below({itype} b, {itype} n) {{ return b < n; }}\n"
     body += "".join(_cuda_job(k, j, card, itype) for k, j in enumerate(jobs))
     body += (
@@ -385,10 +327,13 @@ class PointwiseTemplate(Template):
         if target == "cpu":
             return {}
         smallest = min(DTYPE_SIZES[d] for j in plan.info for d in (j.out_dtype, *j.in_dtypes))
-        return {"block": list(BLOCKS), "vec": [v for v in (1, 2, 4, 8, 16) if v * smallest <= 16]}
+        return {"block": list(BLOCKS), "vec": [v for v in (1, 2, 4, 8, 16) if v * smallest <= 16],
+                "unroll": list(FAMILY_UNROLLS)}
 
     def family_default(self, plan, axes, target):
-        return {} if target == "cpu" else {"block": 256, "vec": axes["vec"][-1]}
+        if target == "cpu":
+            return {}
+        return {**{k: v[0] for k, v in axes.items()}, "block": 256, "vec": axes["vec"][-1]}
 
     def family_emit(self, card, plan, target, params):
         fields, inits = _pointer_fields(card, list(plan.info), target)
@@ -523,6 +468,16 @@ class StreamingTemplate(PointwiseTemplate):
     def pick_default(self, plan, axes, target):
         point = pointwise_default(plan, axes, target)
         return {**point, **{k: axes[k][0] for k in ("ld", "st", "order") if k in axes}}
+
+    def family_axes(self, plan, target):
+        # Vectors per thread and the cache hints first: the search steps along the axes in this order, and
+        # these are what a family's large sizes (a long KV cache's copy) may gain on; a block size matters
+        # less to a streaming kernel
+        axes = super().family_axes(plan, target)
+        if target == "cpu":
+            return axes
+        return {"unroll": axes["unroll"], "ld": list(LOAD_HINTS), "st": list(STORE_HINTS), "block": axes["block"],
+                "vec": axes["vec"]}
 
 
 INTEGERS = ("int64", "int32")  # integer results served (size-generic family kernels only)

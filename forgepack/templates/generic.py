@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from forgepack.cards import DTYPE_CODES, DTYPE_SIZES, Card, Layout
 from forgepack.needs import Align, Needs
-from forgepack.templates.common import abi_counts_check, ctype, launch_status, scalar_checks
+from forgepack.templates.common import abi_counts_check, ctype, hint_helpers, launch_status, scalar_checks
 
 GRID_CAP = 132 * 32  # grid-stride loops: enough blocks for every SM, whatever the size
 MAX_CAT_JOBS = 16  # a cat of more inputs launches per input: one launch's geometries would crowd its parameters
@@ -224,57 +224,79 @@ def _element_code(job) -> tuple[str, str]:
 def _cuda_job(k: int, job) -> str:
     """Job k's kernels: the general one (any rank, broadcasts, strides: each vector's offsets decoded
     from the geometry in a grid-stride loop) and the flat fast path (one contiguous run in every view:
-    one vector per thread, as many blocks as vectors, only pointers and offsets passed)."""
+    as many blocks as groups of vectors, only pointers and offsets passed). A thread takes UNROLL
+    vectors BLOCK apart, every load issued before the first store (more bytes in flight for the large
+    copies of a long KV cache; the exact-shape kernels' `unroll`), through `fp_load`/`fp_store` (the
+    searched cache policies)."""
     out_t, compute = _element_code(job)
-    loads, flat_loads = [], []
+    regs, loads, flat_loads, views = [], [], [], []
     for i, (s, dt) in enumerate(zip(job.in_slots, job.in_dtypes, strict=True)):
         t = ctype(dt, "cuda")
-        loads.append(f"fp_vec<{t}, VEC> x{i};\n"
-                     f"    if (VEC == 1 || g.s[{i + 1}][g.nd - 1] != 0) "
-                     f"x{i} = *reinterpret_cast<const fp_vec<{t}, VEC>*>(p.in{s} + o_[{i + 1}]);\n"
-                     f"    else {{ const {t} b_ = p.in{s}[o_[{i + 1}]];\n#pragma unroll\n"
-                     f"      for (int j = 0; j < VEC; ++j) x{i}.v[j] = b_; }}")
-        flat_loads.append(f"const fp_vec<{t}, VEC> x{i} = "
-                          f"*reinterpret_cast<const fp_vec<{t}, VEC>*>(p.in{s} + (I)f.base[{i + 1}] + e_);")
+        vec_t = f"fp_vec<{t}, VEC>"
+        regs.append(f"{vec_t} xs{i}_[UNROLL];")
+        loads.append(f"if (VEC == 1 || g.s[{i + 1}][g.nd - 1] != 0) "
+                     f"xs{i}_[u] = fp_load(reinterpret_cast<const {vec_t}*>(p.in{s} + o_[{i + 1}]));\n"
+                     f"      else {{ const {t} b_ = p.in{s}[o_[{i + 1}]];\n#pragma unroll\n"
+                     f"        for (int j = 0; j < VEC; ++j) xs{i}_[u].v[j] = b_; }}")
+        flat_loads.append(f"xs{i}_[u] = fp_load(reinterpret_cast<const {vec_t}*>(p.in{s} + (I)f.base[{i + 1}] + e_));")
+        views.append(f"const {vec_t}& x{i} = xs{i}_[u];")
+    store = (f"fp_vec<{out_t}, VEC> y_;\n#pragma unroll\n      for (int j = 0; j < VEC; ++j) {{ {compute} }}\n"
+             f"      fp_store(reinterpret_cast<fp_vec<{out_t}, VEC>*>(p.out{job.out_slot} + OUT_), y_);")
+    stores = "\n".join([
+        "#pragma unroll",
+        "  for (int u = 0; u < UNROLL; ++u) {",
+        "    if (v0 + (I)u * BLOCK < nv) {",
+        f"      {' '.join(views)}",
+        f"      {store}",
+        "    }",
+        "  }"])
     return f"""
-// vector v_ of job {k}: its offsets decoded from the geometry, loaded, computed, stored
+// vectors v0, v0 + BLOCK, ... of job {k} (those below nv): offsets decoded from the geometry, all loaded,
+// then computed and stored
 template <typename I, int VEC>
-__device__ __forceinline__ void fp_gvec{k}(const fp_args& p, const fp_geom& g, const I v_) {{
-    I r_ = v_ * VEC, o_[FP_GV];
+__device__ __forceinline__ void fp_gvec{k}(const fp_args& p, const fp_geom& g, const I v0, const I nv) {{
+  {' '.join(regs)}
+  I oo_[UNROLL];
 #pragma unroll
-    for (int v = 0; v < FP_GV; ++v) o_[v] = (I)g.base[v];
+  for (int u = 0; u < UNROLL; ++u) {{
+    const I v_ = v0 + (I)u * BLOCK;
+    if (v_ < nv) {{
+      I r_ = v_ * VEC, o_[FP_GV];
 #pragma unroll
-    for (int d = FP_GD - 1; d >= 0; --d) {{
-      if (d < g.nd) {{
-        const I n_ = (I)g.n[d], c_ = d == 0 ? r_ : r_ % n_;
-        r_ = d == 0 ? r_ : r_ / n_;
+      for (int v = 0; v < FP_GV; ++v) o_[v] = (I)g.base[v];
 #pragma unroll
-        for (int v = 0; v < FP_GV; ++v) o_[v] += c_ * (I)g.s[v][d];
+      for (int d = FP_GD - 1; d >= 0; --d) {{
+        if (d < g.nd) {{
+          const I n_ = (I)g.n[d], c_ = d == 0 ? r_ : r_ % n_;
+          r_ = d == 0 ? r_ : r_ / n_;
+#pragma unroll
+          for (int v = 0; v < FP_GV; ++v) o_[v] += c_ * (I)g.s[v][d];
+        }}
       }}
+      oo_[u] = o_[0];
+      {chr(10).join('      ' + x for x in loads).strip()}
     }}
-    {chr(10).join('    ' + x for x in loads).strip()}
-    fp_vec<{out_t}, VEC> y_;
-#pragma unroll
-    for (int j = 0; j < VEC; ++j) {{ {compute} }}
-    *reinterpret_cast<fp_vec<{out_t}, VEC>*>(p.out{job.out_slot} + o_[0]) = y_;
+  }}
+{stores.replace("OUT_", "oo_[u]")}
 }}
 
 template <typename I, int VEC>
 __global__ void __launch_bounds__(BLOCK) fp_gjob{k}(const fp_args p, const fp_geom g) {{
   const I nv = (I)(g.numel / VEC);
-  for (I v_ = (I)blockIdx.x * BLOCK + threadIdx.x; v_ < nv; v_ += (I)gridDim.x * BLOCK) fp_gvec{k}<I, VEC>(p, g, v_);
+  for (I v0 = (I)blockIdx.x * (BLOCK * UNROLL) + threadIdx.x; v0 < nv; v0 += (I)gridDim.x * (BLOCK * UNROLL))
+    fp_gvec{k}<I, VEC>(p, g, v0, nv);
 }}
 
 template <typename I, int VEC>
 __global__ void __launch_bounds__(BLOCK) fp_gflat{k}(const fp_args p, const fp_flat f) {{
-  const I v_ = (I)blockIdx.x * BLOCK + threadIdx.x;
-  if (v_ >= (I)(f.n / VEC)) return;
-  const I e_ = v_ * VEC;
-  {chr(10).join('  ' + x for x in flat_loads).strip()}
-  fp_vec<{out_t}, VEC> y_;
+  const I nv = (I)(f.n / VEC), v0 = (I)blockIdx.x * (BLOCK * UNROLL) + threadIdx.x;
+  {' '.join(regs)}
 #pragma unroll
-  for (int j = 0; j < VEC; ++j) {{ {compute} }}
-  *reinterpret_cast<fp_vec<{out_t}, VEC>*>(p.out{job.out_slot} + (I)f.base[0] + e_) = y_;
+  for (int u = 0; u < UNROLL; ++u) {{
+    const I e_ = (v0 + (I)u * BLOCK) * VEC;
+    if (v0 + (I)u * BLOCK < nv) {{ {' '.join(flat_loads)} }}
+  }}
+{stores.replace("OUT_", "(I)f.base[0] + (v0 + (I)u * BLOCK) * VEC")}
 }}
 """
 
@@ -289,13 +311,13 @@ def _cuda_launch(k: int, job, vec: int) -> str:
     cond = " && ".join(ok) if vec > 1 else "false"
     flat = " && ".join(f"g.s[{v}][0] == 1" for v in range(len(job.in_slots) + 1))
     return (f"{{ const bool vec_ = {cond}; const int64_t nv_ = g.numel / (vec_ ? {vec} : 1);\n"
-            f"    const int64_t blocks_ = (nv_ + BLOCK - 1) / BLOCK;\n"
+            f"    const int64_t blocks_ = (nv_ + BLOCK * UNROLL - 1) / (BLOCK * UNROLL);\n"
             f"    if (g.nd == 1 && {flat} && blocks_ < (1LL << 31)) {{\n"
             f"      fp_flat f; f.n = g.numel; for (int v = 0; v < FP_GV; ++v) f.base[v] = g.base[v];\n"
             f"      const unsigned fgrid_ = (unsigned)blocks_;\n"
             f"      {_typed_launches(f'fp_gflat{k}', vec, 'fgrid_', 'f')}\n"
             f"    }} else {{\n"
-            f"      const unsigned grid_ = (unsigned)(nv_ / BLOCK + 1 < {GRID_CAP} ? nv_ / BLOCK + 1 : {GRID_CAP});\n"
+            f"      const unsigned grid_ = (unsigned)(blocks_ < {GRID_CAP} ? blocks_ : {GRID_CAP});\n"
             f"      {_typed_launches(f'fp_gjob{k}', vec, 'grid_', 'g')}\n"
             f"    }} }}")
 
@@ -317,7 +339,8 @@ def render_pointwise(card: Card, target: str, jobs: list, fields: list[str], ini
     views = 1 + max(len(j.in_slots) for j in jobs)
     head = prelude + helpers(views) + f"struct fp_args {{ {' '.join(fields)} }};\n"
     if target == "cuda":
-        head += f"constexpr int BLOCK = {params['block']};\n"
+        head += f"constexpr int BLOCK = {params['block']};\nconstexpr int UNROLL = {params.get('unroll', 1)};\n"
+        head += hint_helpers(params.get("ld", "plain"), params.get("st", "plain"))
         kernels = "".join(_cuda_job(k, j) for k, j in enumerate(jobs))
         if cat_dim is not None and len(jobs) <= MAX_CAT_JOBS:
             kernels += _cuda_cat_kernel(jobs)
@@ -381,7 +404,7 @@ def _cat_body(card: Card, jobs: list, target: str, params: dict, dim: int) -> li
 def _cuda_cat_kernel(jobs: list) -> str:
     """One kernel for every slice of a cat: the blocks split between the jobs by `first` (job j's first
     block), each block's job found by comparison, its vectors computed by job j's `fp_gvec`."""
-    cases = " ".join(f"case {k}: if (v_ < (I)(c.g[{k}].numel / VEC)) fp_gvec{k}<I, VEC>(p, c.g[{k}], v_); break;"
+    cases = " ".join(f"case {k}: fp_gvec{k}<I, VEC>(p, c.g[{k}], v0, (I)(c.g[{k}].numel / VEC)); break;"
                      for k in range(len(jobs)))
     return f"""
 struct fp_cat {{ fp_geom g[{len(jobs)}]; int64_t first[{len(jobs) + 1}]; }};
@@ -392,7 +415,7 @@ __global__ void __launch_bounds__(BLOCK) fp_gcat(const fp_args p, const fp_cat c
   int j = 0;
 #pragma unroll
   for (int q = 1; q < {len(jobs)}; ++q) j += b >= c.first[q];
-  const I v_ = (I)(b - c.first[j]) * BLOCK + threadIdx.x;
+  const I v0 = (I)(b - c.first[j]) * (BLOCK * UNROLL) + threadIdx.x;
   switch (j) {{ {cases} default: break; }}
 }}
 """
@@ -411,7 +434,7 @@ def _cuda_cat_launch(jobs: list, vec: int) -> str:
     launch = _typed_launches("fp_gcat", vec, f"(unsigned)c_.first[{n}]", "c_", fits="fits_")
     return ("{ " + f"bool vec_ = {'true' if vec > 1 else 'false'}, fits_ = true;\n  " + "\n  ".join(tests) + "\n  "
             f"c_.first[0] = 0;\n  for (int k = 0; k < {n}; ++k) c_.first[k + 1] = c_.first[k] + "
-            f"(c_.g[k].numel / (vec_ ? {vec} : 1) + BLOCK - 1) / BLOCK;\n  "
+            f"(c_.g[k].numel / (vec_ ? {vec} : 1) + BLOCK * UNROLL - 1) / (BLOCK * UNROLL);\n  "
             f"if (c_.first[{n}] >= (1LL << 31)) return FP_ERR_UNSUPPORTED;\n  if (c_.first[{n}] == 0) return FP_OK;\n  "
             f"{launch} }}")
 
