@@ -65,7 +65,7 @@ def test_cpu_mode_builds_an_envelope_pack_and_counts_what_it_serves(tmp_path):
            "FORGEPACK_CACHE": str(tmp_path / "cache")}
     cmd = [sys.executable, str(TOOLS / "bench_envelope.py"), "--base", "tiny-llama", "--target", "cpu",
            "--batch", "1-2", "--seq-len", "8-16", "--capture-new", "3", "--budget", "8", "--no-gate",
-           "--batches", "1,2", "--prompt", "8,16", "--new", "3,5", "--requests", "3"]
+           "--batches", "1,2", "--prompt", "8,16", "--new", "3,5", "--requests", "3", "--misses", "2"]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1800, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = tmp_path / "out" / "results"
@@ -80,3 +80,9 @@ def test_cpu_mode_builds_an_envelope_pack_and_counts_what_it_serves(tmp_path):
     assert all(set(r["agreement"]) == {"stock", "pack"} for r in data["requests"])
     md = (results / "bench_envelope-tiny_llama_envelope.md").read_text()
     assert "served: **" in md and data["commit"] in md and "top-1 where not a near-tie" in md
+    # --misses 2: the first request re-run under pack.record_misses(), each op's two most frequent misses
+    # (the pack serves part of the calls, so some miss), named by their arguments' dtypes and sizes
+    per_op = [m["op"] for m in data["misses"]]
+    assert per_op and all(op.startswith("aten.") for op in per_op) and all(per_op.count(op) <= 2 for op in per_op)
+    assert all(m["count"] > 0 and "[" in m["signature"] and " cpu" in m["signature"] for m in data["misses"])
+    assert "re-run once with the pack under `pack.record_misses()`" in md and data["misses"][0]["signature"] in md

@@ -579,6 +579,25 @@ def test_changed_source_is_not_patched(llama):
         patches.remove()
 
 
+def _rotary(q, k, cos, sin):
+    """A rotary stand-in with a source of its own (for the hub wrapper below)."""
+    return q * cos + k * sin, k * cos - q * sin
+
+
+def test_a_hub_wrapped_free_function_is_digested_by_the_function_it_calls():
+    """transformers 5.2x requires the `kernels` package, whose `use_kernel_forward_from_hub` turns
+    `apply_rotary_pos_emb` into an nn.Module instance: its source is the function it calls (else every
+    rotary site was skipped for want of a source), unless `kernelize` rebound its forward."""
+    hub = pytest.importorskip("kernels")
+    wrapped = hub.use_kernel_forward_from_hub("rotary_pos_emb")(_rotary)
+    assert isinstance(wrapped, torch.nn.Module) and rt.plain_function(wrapped) is _rotary
+    assert rt.source_digest(wrapped) == rt.source_digest(_rotary) is not None
+    x = torch.randn(4)
+    assert torch.equal(wrapped(x, x, x, x)[0], _rotary(x, x, x, x)[0])
+    wrapped.forward = lambda *args: _rotary(*args)  # what kernelize does: another forward on the instance
+    assert rt.plain_function(wrapped) is None and rt.source_digest(wrapped) is None
+
+
 def test_runtime_imports_only_torch_and_the_standard_library():
     import ast
 

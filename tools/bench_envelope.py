@@ -91,6 +91,10 @@ def build(r: recipe.Recipe, root: Path, strategy: str = "allocator") -> tuple[Pa
                                 "stopped": doc.get("stopped")}
 
 
+# Per timed point: the times too, so that a kernel at parity can be told from one at the memory ceiling
+POINT_FIELDS = ("values", "weight", "speedup", "ci_low", "ci_high", "eager_us", "kernel_us")
+
+
 def family_kernels(ws_root: Path) -> list[dict[str, Any]]:
     """Each accepted family kernel as its build measured it (issue 20's sub-ranges): the speed-up at every
     timed point of its envelope with the point's weight, the sub-range it was kept for (none: its whole
@@ -110,8 +114,7 @@ def family_kernels(ws_root: Path) -> list[dict[str, Any]]:
             whole = fam.get("whole") or {}
             out.append({"card": k.card_id, "served": accepted.served_text(k.served), "share": fam.get("served_share"),
                         "speedup": k.speedup, "whole_speedup": whole.get("speedup", k.speedup),
-                        "points": [{"values": p["values"], "weight": p["weight"], "speedup": p["speedup"],
-                                    "ci_low": p["ci_low"]} for p in fam.get("points", ())]})
+                        "points": [{f: p.get(f) for f in POINT_FIELDS} for p in fam.get("points", ())]})
     return out
 
 
@@ -225,6 +228,30 @@ def run_trace(lm, pack, trace: list[dict], seed: int) -> list[dict]:
     return rows
 
 
+def record_misses(lm, pack, request: dict, seed: int, top: int) -> list[dict]:
+    """The trace's first request once more with the pack active, inside `pack.record_misses()`: per op, its
+    `top` most frequent signatures no kernel served (one request: the shapes a pack misses repeat per step)."""
+    ids = prompts([request], lm.model.config.get_text_config().vocab_size, lm.device, seed)[0]  # run_trace's
+    pack.activate()
+    try:
+        with pack.record_misses() as rec:
+            models.generate(lm.model, ids, request["new"])
+    finally:
+        pack.deactivate()
+    ops = dict.fromkeys(op for op, _, _ in rec.top(None))  # the op of the most frequent miss first
+    return [{"op": op, "signature": sig, "count": n} for op in ops for _, sig, n in rec.top(top, op=op)]
+
+
+def misses_md(misses: list[dict], request: dict) -> str:
+    head = (f"Calls no kernel served, by signature: the first request (batch {request['batch']}, prompt "
+            f"{request['prompt']}, new {request['new']}) re-run once with the pack under `pack.record_misses()`, "
+            "the most frequent per op:\n\n")
+    if not misses:
+        return head + "none missed.\n\n"
+    return head + tabulate([[m["op"], m["signature"], m["count"]] for m in misses],
+                           headers=["op", "signature", "calls"], tablefmt="github") + "\n\n"
+
+
 def worst(rows: list[dict], side: str) -> dict[str, float]:
     """Over the requests: the largest error over scale and the lowest top-1 agreement where eager's top
     two logits are not a near-tie (servebench.CLEAR_GAP)."""
@@ -257,7 +284,8 @@ def clear_text(a: dict) -> str:
     return "-" if a["top1_clear"] is None else f"{a['top1_clear']:.2%} ({a['clear_share']:.0%})"
 
 
-def markdown(info: dict, r: recipe.Recipe, built: dict, rows: list[dict], ops: dict) -> str:
+def markdown(info: dict, r: recipe.Recipe, built: dict, rows: list[dict], ops: dict,
+             misses: list[dict] | None = None) -> str:
     w = r.workload
     md = benchlib.header_md(f"Envelope pack over a mixed generate() trace: {r.name}", info)
     ws, wp = worst(rows, "stock"), worst(rows, "pack")
@@ -283,6 +311,7 @@ def markdown(info: dict, r: recipe.Recipe, built: dict, rows: list[dict], ops: d
                      d.get("outside", 0)] for op, d in sorted(ops.items(), key=lambda kv: -kv[1]["calls"])],
                    headers=["op", "calls", "served", "share", "errors", "stock by sub-range"],
                    tablefmt="github") + "\n\n"
+    md += misses_md(misses, rows[0]) if misses is not None else ""
     md += tabulate([[x["id"], x["batch"], x["prompt"], x["new"], f"{share(x['ops']):.1%}",
                      "yes" if x["same"] else f"no (step {x['first_difference']})",
                      f"{x['agreement']['stock']['max_err_over_scale']:.4f}",
@@ -321,6 +350,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--new", default="64,256", help="trace: new tokens, low,high")
     p.add_argument("--requests", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--misses", type=int, default=0,
+                   help="after the trace, re-run its first request under pack.record_misses() and report each "
+                        "op's N most frequent missed signatures (0: off)")
     args = p.parse_args(argv)
 
     new = parse_pair(args.new)
@@ -351,12 +383,15 @@ def main(argv: list[str] | None = None) -> int:
         with models.quiet_transformers():
             lm = models.load(recipe.concrete(r))
             rows = run_trace(lm, pack, trace, args.seed)
+            misses = record_misses(lm, pack, trace[0], args.seed, args.misses) if args.misses else None
     ops = total(rows)
     data = {**info, "recipe": recipe.to_dict(r), "build": built, "trace": trace, "requests": rows, "ops": ops,
             "served": share(ops), "target": TARGET, "same_tokens": all(x["same"] for x in rows),
             "agreement": {"stock": worst(rows, "stock"), "pack": worst(rows, "pack")},
             "fused": total(rows, "fused")}
-    benchlib.write(f"bench_envelope-{recipe.slugify(r.name)}", data, markdown(info, r, built, rows, ops))
+    if misses is not None:
+        data["misses"] = misses
+    benchlib.write(f"bench_envelope-{recipe.slugify(r.name)}", data, markdown(info, r, built, rows, ops, misses))
     return 0
 
 

@@ -5,6 +5,7 @@
     pack.activate(graphs=True)   # also replay the model's forward from CUDA graphs (see graphs.py)
     with pack.active(): ...      # or only inside a block
     pack.stats()                 # hits, misses and kernel errors per variant
+    with pack.record_misses() as rec: ...  # the calls the guards sent to stock, by signature (misses.py)
     pack.deactivate()            # the stock kernels again, exactly
 
 Each overridden aten op checks, in C++ at its backend dispatch key, whether a call is one of the
@@ -378,6 +379,21 @@ def stats() -> dict[str, dict[str, Any]]:
     if _STATE["fused"]:  # only once read: a refused activate() may have refused an unreadable pack
         out.update(_STATE["fused"].stats())
     return out
+
+
+def record_misses():
+    """`with pack.record_misses() as rec:` the calls of the ops the pack overrides that no kernel served
+    inside the block, by signature: `rec.top(20)`, `rec.hits`, `rec.misses`, `rec.table()` (misses.py).
+    The pack must be active; its fused module sites keep serving under the recorder."""
+    if not is_active():
+        raise PackError(f"{__name__} is not active; activate() before record_misses()")
+    from . import misses
+
+    variants: dict[str, list[int]] = {}
+    for k, v in enumerate(manifest().variants):  # a variant's hit counter is stats()[k]
+        variants.setdefault(v.op, []).append(k)
+    counters = _ops().stats.default if variants else list  # a pack of fused kernels only has no shim
+    return misses.MissRecorder({op: tuple(ks) for op, ks in variants.items()}, counters)
 
 
 def enable_only(ids: set[str] | None) -> None:

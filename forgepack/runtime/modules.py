@@ -76,8 +76,25 @@ def qualname(obj: Any) -> str:
     return f"{obj.__module__}:{obj.__qualname__}"
 
 
+def plain_function(fn: Any) -> Any:
+    """The Python function behind `fn`. With the `kernels` package installed (transformers 5.2x requires
+    it), `@use_kernel_forward_from_hub` turns a modeling file's free function (`apply_rotary_pos_emb`)
+    into an nn.Module instance whose forward calls the original, held in its closure as `func`: that
+    function's source is what the instance computes, unless `kernelize` rebound the instance's forward
+    (None then: no source tells what it computes)."""
+    if inspect.isfunction(fn) or not isinstance(fn, torch.nn.Module):
+        return fn
+    if "forward" in vars(fn):
+        return None
+    forward = type(fn).forward
+    cells = dict(zip(forward.__code__.co_freevars, forward.__closure__ or (), strict=True))
+    inner = cells.get("func")
+    return inner.cell_contents if inner is not None and inspect.isfunction(inner.cell_contents) else fn
+
+
 def source_digest(fn: Any) -> str | None:
     """Digest of a function's code (its AST without docstrings): None when no source is available."""
+    fn = plain_function(fn)
     try:
         source = inspect.getsource(fn)
     except (OSError, TypeError):
@@ -202,9 +219,14 @@ class Site:
 
 
 def _busy(tensors: list[torch.Tensor] | None = None) -> bool:
-    """Conditions under which a kernel must not replace the chain (the original sees them instead)."""
-    if torch._C._len_torch_dispatch_stack() > 0:
-        return True
+    """Conditions under which a kernel must not replace the chain (the original sees them instead). A
+    dispatch mode would not see the chain's calls; `pack.record_misses()` alone is let through, since
+    declining there would change what it records (the length first: one C call when no mode is on)."""
+    depth = torch._C._len_torch_dispatch_stack()
+    if depth > 0:
+        mode = torch._C._get_dispatch_stack_at(0) if depth == 1 else None
+        if not getattr(type(mode), "__forgepack_miss_recorder__", False):  # misses.MARK: any pack's copy
+            return True
     if torch.is_autocast_enabled("cuda") or torch.is_autocast_enabled("cpu"):
         return True
     compiler = getattr(torch, "compiler", None)
