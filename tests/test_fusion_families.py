@@ -103,6 +103,20 @@ def test_family_fused_kernels_verify_at_every_check_point(envelope, evaluator, p
     assert {d.name: d.max for d in card.family.dims} in checked
 
 
+def test_a_bf16_decode_rotary_folds_though_a_size_1_axis_stride_differs_from_its_meta_replay():
+    """In bf16 on CPU (and on CUDA) the decode step's rotate_half `neg` keeps its input's stride on the
+    size-1 token axis where the meta kernel writes another: no element lies along that axis, so the fold's
+    replay check must not tell the two apart (it did, and every rotary stayed exact per batch)."""
+    r = _recipe(**{**WORKLOAD, "dtype": "bfloat16"})
+    per_point: list = []
+    with models.quiet_transformers():
+        lm = models.load(r)
+        profile.capture_envelope(lm, lambda *_: None, per_point)
+        cards = fusion.build_points(lm.model, per_point, lm.device, None, []).cards
+    (rotary,) = [c for c in cards if c.fusion.pattern == "rotary"]
+    assert [(d.min, d.max) for d in rotary.family.dims] == [(1, 3)] and rotary.args[0].tensor.dtype == "bfloat16"
+
+
 def test_a_decode_rotary_family_runs_the_batch_1_kernel_per_batch_index(envelope, evaluator):
     """A decode step's rotary varies only the batch, the outermost axis of every tensor: `fused.indexed`
     renders the batch-1 member's index math and moves each pointer by its tensor's batch stride. With the

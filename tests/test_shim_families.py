@@ -29,6 +29,7 @@ from forgepack.capture import capture, card_from_call
 from forgepack.compile import compile_kernel
 from forgepack.needs import Align, Needs
 from forgepack.pack import shimgen
+from forgepack.templates import on_device
 
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
@@ -326,13 +327,19 @@ tensors = lambda a: [a[0]]
 """
 
 
-def test_a_cpu_device_argument_is_guarded(tmp_path):
+def test_a_device_argument_is_guarded(tmp_path):
     """generate()'s `logits.to(copy=True, dtype=float32, device=cpu)`: `_to_copy` with a device argument
     was unservable; the guard checks it is the cpu (its twin `bind` sees tensors only)."""
     calls = [card_from_call(torch.ops.aten._to_copy.default, (torch.randn(b, 256),),
                             {"dtype": torch.float32, "device": torch.device("cpu")})[0] for b in (1, 2, 4)]
     (card,) = families.fold(calls)
     assert shimgen.unsupported_reason(card, "cpu") is None
+    # on cuda the same card is served too (it was dropped: "argument device of type Device = 'cuda'"), the
+    # device argument held to the inputs' device once their adds have bound it
+    cuda = on_device(card, "cuda")
+    assert shimgen.unsupported_reason(cuda, "cuda") is None
+    code = shimgen.generate([shimgen.ShimVariant(cuda, "k.so")], "forgepack_x", "cuda")
+    assert "fpg::is_type((*a3), kDevice)" in code and code.index("same.add(a0)") < code.index("same.device_is((*a3))")
     rows = _serve_generic(tmp_path, card, "elementwise.copy", TO_COPY_CASES, value_misses=("no device (3, 256)",))
     assert rows["device cpu (3, 256)"]["hit"] == 1 and rows["no device (3, 256)"]["hit"] == 0
 

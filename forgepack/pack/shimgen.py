@@ -223,6 +223,7 @@ def fp_scalar(value) -> str:
 class _Guard:
     checks: list[str]  # C++ boolean expressions, cheapest first
     int_lists: list[tuple[str, tuple[int, ...]]]  # (constant name, values) the checks refer to
+    devices: tuple[str, ...] = ()  # Device arguments, checked against the inputs' device once that is known
 
 
 def _arg_guard(t, arg: Arg, p: str, spec: str = "s", bind: str = "") -> _Guard:
@@ -234,7 +235,7 @@ def _arg_guard(t, arg: Arg, p: str, spec: str = "s", bind: str = "") -> _Guard:
         if arg.kind == "none" or (arg.kind == "value" and arg.value is None):
             return _Guard([f"fpg::is_none({p})"], [])
         inner = _arg_guard(t.elem, arg, f"(*{p})", spec, bind)
-        return _Guard([f"{p}.has_value()", *inner.checks], inner.int_lists)
+        return _Guard([f"{p}.has_value()", *inner.checks], inner.int_lists, inner.devices)
     if isinstance(t, ListType):
         return _list_guard(t, arg, p, spec, bind)
     if not isinstance(t, BaseType):
@@ -267,8 +268,10 @@ def _arg_guard(t, arg: Arg, p: str, spec: str = "s", bind: str = "") -> _Guard:
         return _Guard([f"fpg::eq({p}, {_MEMORY_FORMATS[v]})"], [])
     if base == BaseTy.str and isinstance(v, str):
         return _Guard([f"fpg::eq_str({p}, {cpp_string(v)})"], [])
-    if base == BaseTy.Device and v == "cpu":  # `.to("cpu")` of a cpu tensor; a cuda index would need the input's
-        return _Guard([f"fpg::is_cpu({p})"], [])
+    if base == BaseTy.Device and v in ("cpu", "cuda"):
+        # cards keep a device's type only (`opcall.encode_value`) and were verified with the inputs' own
+        # device there: `.to(device=...)` of the tensor's device (generate()'s logits copy), no other
+        return _Guard([f"fpg::is_type({p}, kDevice)"], [], (p,))
     raise Unsupported(f"argument {arg.name} of type {t} = {v!r}")
 
 
@@ -392,6 +395,7 @@ def _variant_block(v: int, sv: ShimVariant, fs, struct_r: str) -> tuple[list[str
     tensor_checks: list[str] = []
     stride_checks: list[str] = []
     same: list[str] = []
+    devices: list[str] = []
     grad: list[str] = []
     describe: list[str] = []
     n_in = 0
@@ -436,6 +440,8 @@ def _variant_block(v: int, sv: ShimVariant, fs, struct_r: str) -> tuple[list[str
             for name, values in g.int_lists:
                 consts.append(f"constexpr int64_t {name}[] = {{{', '.join(cpp_int(x) for x in values)}}};")
             checks += g.checks  # values are cheaper than tensors: checked first
+            devices += g.devices
+    same += [f"same.device_is({d})" for d in devices]  # after every tensor: `same.device` is theirs then
     if fam is not None:  # derived dims and strides once every dim is bound, then the kernel's needs
         tensor_checks += _derive_checks(fam, dv, f"v{v}_ranges")
         tensor_checks += stride_checks

@@ -234,6 +234,14 @@ struct SameDevice {
     }
     return true;
   }
+  // A Device argument naming the inputs' own device (`.to(device=...)` that moves nothing): without an
+  // index it names the current device of its type.
+  bool device_is(const c10::Device& d) const {
+    if (first || d.type() != device.type()) return false;
+    if (device.is_cpu()) return true;
+    const c10::DeviceIndex index = d.has_index() ? d.index() : c10::impl::getDeviceGuardImpl(d.type())->getDevice().index();
+    return index == device.index();
+  }
 };
 
 // Autograd would need to see the call: leave it to stock when grad mode is on and an input requires it.
@@ -249,7 +257,7 @@ inline bool list_needs_grad(const List& list) {
 
 // ---- non-tensor arguments -------------------------------------------------------------------------
 
-inline bool is_cpu(const c10::Device& d) { return d.is_cpu(); }
+inline bool is_type(const c10::Device& d, c10::DeviceType type) { return d.type() == type; }
 inline bool eq(int64_t v, int64_t want) { return v == want; }
 inline bool eq(const c10::SymInt& v, int64_t want) {
   auto i = v.maybe_as_int();
