@@ -274,3 +274,19 @@ def test_untimed_points_count_where_the_guard_puts_them_not_where_their_timed_ne
     assert lo >= 29 and verdict.diagnostics["family"]["served_share"] == pytest.approx(len(inside) / 12)
     share = len(inside) / 12
     assert verdict.speedup <= 1 / (share / 3.0 + (1 - share)) + 1e-9
+
+
+def test_a_call_a_later_variant_serves_is_not_counted_outside_the_first_ones_sub_range():
+    """`outside` counts the calls stock serves because a kernel does not pay there: a call outside the
+    first variant's sub-range that the next variant serves is that variant's hit, not also an `outside`
+    (the count waits until every variant has missed)."""
+    from forgepack.pack import shimgen
+
+    narrowed = families.narrow(family_card(), (("d1", 5, 7),))
+    whole = family_card()
+    code = shimgen.generate([shimgen.ShimVariant(narrowed, "a.so"), shimgen.ShimVariant(whole, "b.so")],
+                            "forgepack_x", "cpu")
+    body = code[code.index("override_0("):]
+    counted = body.index("fpg::count(variants[0].outside)")
+    assert body.index("outside0 = ") < body.index("// variant 1:") < counted < body.index("fpg::call_original")
+    assert "variants[1].outside" not in code

@@ -270,9 +270,15 @@ def total(rows: list[dict], field: str = "ops") -> dict[str, dict[str, int]]:
     return out
 
 
-def share(per_op: dict[str, dict[str, int]]) -> float:
+def share(per_op: dict[str, dict[str, int]], field: str = "hits") -> float:
     calls = sum(d["calls"] for d in per_op.values())
-    return sum(d["hits"] for d in per_op.values()) / calls if calls else 0.0
+    return sum(d.get(field, 0) for d in per_op.values()) / calls if calls else 0.0
+
+
+def by_sub_range(per_op: dict[str, dict[str, int]]) -> float:
+    """The share of the calls a kernel's guard admitted to its verified range but sent to stock, outside the
+    sub-range it was kept for."""
+    return share(per_op, "outside")
 
 
 NOTE = ("\n\nerr: the largest |decode logit - eager teacher-forced logit| over the largest |logit| (first two "
@@ -292,7 +298,9 @@ def markdown(info: dict, r: recipe.Recipe, built: dict, rows: list[dict], ops: d
     md += (f"- envelope: batch {w.batch}, prompts {w.seq_len}, cache {w.cache_len}, dtype {w.dtype}\n"
            f"- pack: {built.get('wheel')} (gate {built.get('gate')}, built in {built.get('seconds', 0):.0f} s)\n"
            f"- served: **{share(ops):.1%}** of {sum(d['calls'] for d in ops.values())} calls of the ops the pack "
-           f"has families for (target {TARGET:.0%}); kernel errors {sum(d['errors'] for d in ops.values())}; "
+           f"has families for (target {TARGET:.0%}), and {by_sub_range(ops):.1%} more sent to stock by the kernels' "
+           f"own sub-ranges (stock is as fast or faster there, as the build timed it); kernel errors "
+           f"{sum(d['errors'] for d in ops.values())}; "
            f"tokens as stock in {sum(r_['same'] for r_ in rows)} of {len(rows)} requests\n"
            f"- teacher-forced against eager stock logits of the same tokens (worst request; near-ties "
            f"flip tokens, so these say whether the pack is wrong): max error over scale stock "

@@ -494,16 +494,22 @@ def _variant_block(v: int, sv: ShimVariant, fs, struct_r: str) -> tuple[list[str
 
 def _outside_count(v: int, joined: str, n_dims: int) -> list[str]:
     """For a variant served over a sub-range only: on a miss, the same guard over the whole verified
-    range, counting the calls it would have taken there (`outside` in stats(): stock serves them because
-    the kernel does not pay there). Only a miss of such a variant pays for the second check."""
+    range, marking the calls it would have taken there; those stock serves (no later variant did) count
+    as `outside` in stats(): stock serves them because the kernel does not pay there. Only a miss of such
+    a variant pays for the second check."""
     dv, again = f"dv{v}", f"dv{v}w"
     whole = re.sub(rf"\b{dv}\b", again, joined.replace(f"v{v}_ranges", f"v{v}_verified"))
     return [
         f"  }} else {{  // variant {v}'s guard missed: outside its sub-range, or no member at all?",
         f"    int64_t {again}[{n_dims}] = {{{', '.join(['-1'] * n_dims)}}};",
-        f"    if ({whole}) fpg::count(variants[{v}].outside);",
+        f"    outside{v} = {whole};",
         "  }",
     ]
+
+
+def _narrowed(members: list[tuple[int, ShimVariant]]) -> list[int]:
+    """The variants kept for a sub-range of their family (`_outside_count`)."""
+    return [v for v, sv in members if sv.card.family is not None and sv.card.family.served]
 
 
 def generate(variants: list[ShimVariant], namespace: str, target: str, title: str = "") -> str:
@@ -601,7 +607,10 @@ def _override(k: int, op: str, members: list[tuple[int, ShimVariant]]) -> list[s
         "",
         f"R{k} override_{k}(c10::DispatchKeySet ks, {params}) {{",
         f"  fpg::count(ops[{k}].calls);",
+        *[f"  bool outside{v} = false;" for v in _narrowed(members)],
         *bodies,
+        *[f"  if (outside{v}) fpg::count(variants[{v}].outside);  // stock serves it: no variant did"
+          for v in _narrowed(members)],
         f"  return fpg::call_original<R{k}, {arg_types}>(*ops[{k}].original.load(std::memory_order_acquire),",
         f"                                           *ops[{k}].handle, ks, {args});",
         "}",

@@ -11,7 +11,9 @@ a call of an op the pack overrides it reads the shim's hit counters before and a
 no variant of that op gaining a hit makes the call a miss, kept under a compact signature of its
 arguments (a tensor: dtype, sizes, strides, storage offset, device type), the facts a guard checks, so
 that the signature says how to widen the envelope. Calls of other ops run untouched. The counters are
-the process's: calls made by another thread while recording can turn a miss into a hit.
+the process's: calls made by another thread while recording can turn a miss into a hit. A call an op
+makes inside its own kernel (`1 - t` is `rsub.Scalar`, whose CPU and CUDA kernels call `sub.Tensor`)
+runs below the mode: `stats()` counts it, the recorder never sees it.
 
 The fused module sites (`modules.py`) decline under any dispatch mode but this one (its class carries
 `MARK`), so recording does not change what runs.
