@@ -394,7 +394,8 @@ def main(argv: list[str] | None = None) -> int:
             misses = record_misses(lm, pack, trace[0], args.seed, args.misses) if args.misses else None
     ops = total(rows)
     data = {**info, "recipe": recipe.to_dict(r), "build": built, "trace": trace, "requests": rows, "ops": ops,
-            "served": share(ops), "stock_by_sub_range": by_sub_range(ops), "target": TARGET, "same_tokens": all(x["same"] for x in rows),
+            "served": share(ops), "stock_by_sub_range": by_sub_range(ops), "target": TARGET,
+            "same_tokens": all(x["same"] for x in rows),
             "agreement": {"stock": worst(rows, "stock"), "pack": worst(rows, "pack")},
             "fused": total(rows, "fused")}
     if misses is not None:
