@@ -303,6 +303,30 @@ def test_integer_add_and_mul_families_are_exact_at_every_check_point(evaluator):
         assert res.ok, res.log
 
 
+def test_a_cast_to_bool_family_is_exact_at_every_check_point(evaluator):
+    """generate()'s attention mask, `mask.to(torch.bool)` of the growing int64 mask (and a float's too):
+    the bool is the value != 0, through float (a NaN is true, -0.0 false), so any int64 keeps its answer;
+    a kernel that kept only the low byte would make 256 false."""
+    src_dtypes = {"int64": lambda b, n: torch.randint(-3, 300, (b, n)), "float32": lambda b, n: torch.randn(b, n)}
+    t = by_name("elementwise.copy")
+    for dtype, make in src_dtypes.items():
+        calls = [card_from_call(torch.ops.aten._to_copy.default, (make(b, n),), {"dtype": torch.bool})[0]
+                 for b, n in ((1, 9), (2, 17), (4, 30), (3, 12))]
+        (card,) = families.fold(calls)
+        assert card.family is not None and card.outputs[0].dtype == "bool"
+        src = t.render(card, "cpu", t.default(card, "cpu"))
+        verdict = familyeval.evaluate(evaluator, card, src, bench=False)
+        assert verdict.accepted, f"{dtype}: {verdict.reason}"
+        if dtype == "int64":  # the cheat: the low byte's truth
+            low_byte = src.replace("fp_ld(x0_[", "fp_ld((uint8_t)x0_[")
+            assert low_byte != src
+            assert familyeval.evaluate(evaluator, card, low_byte, bench=False).category == "mismatch"
+        if shutil.which("nvcc"):
+            cuda = on_device(card, "cuda")
+            res = compile_kernel(t.render(cuda, "cuda", t.default(cuda, "cuda")), "cuda", arch="sm_90")
+            assert res.ok, res.log
+
+
 def test_a_family_of_many_points_is_timed_at_a_spread_and_weighs_every_point():
     """A decode family has a captured point per (batch, cache length): timing each made a build's
     evaluation scale with the steps generate() ran. A spread of `MAX_TIMED_POINTS` by bytes is timed,

@@ -66,6 +66,7 @@ FP_FN float fp_ld(bool v) { return v ? 1.0f : 0.0f; }
 template <typename T> FP_TFN T fp_st(float v);
 template <> FP_TFN float fp_st<float>(float v) { return v; }
 template <> FP_TFN double fp_st<double>(float v) { return (double)v; }
+template <> FP_TFN bool fp_st<bool>(float v) { return v != 0.0f; }  // NaN is true, -0.0 false: torch's bool()
 FP_FN float fp_round_float32(float v) { return v; }
 
 // N elements of T in one aligned access (16 bytes or less: one vector instruction on the GPU).

@@ -578,6 +578,8 @@ class CopyTemplate(PointwiseTemplate):
             expr = None
         elif (x.dtype in CAST_SOURCES and out.dtype in FLOATS) or (x.dtype in FLOATS and out.dtype == "float64"):
             expr = "a0"
+        elif x.dtype in CAST_SOURCES and out.dtype == "bool":  # generate()'s attention mask
+            expr = "a0"  # through float, `fp_st<bool>`: != 0, which no int's float conversion changes
         else:
             return f"cast {x.dtype} -> {out.dtype} not served"
         job = make_job(out, 0, [x], [0], expr)
