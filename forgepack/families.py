@@ -39,7 +39,17 @@ import random
 from collections import defaultdict
 from collections.abc import Iterable
 
-from forgepack.cards import FREE_STRIDE, Card, Dim, Family, Layout, Profile, TensorMeta, chain_digest
+from forgepack.cards import (
+    FREE_STRIDE,
+    Card,
+    Dim,
+    Family,
+    Layout,
+    Profile,
+    TensorMeta,
+    card_output_key,
+    chain_digest,
+)
 
 MAX_STRIDE_DIMS = 3  # a stride is explained by at most this many dims (a 4-d view's outermost stride)
 
@@ -376,6 +386,29 @@ def free_dims(family: Family) -> list[Dim]:
 def members_at_points(card: Card) -> list[Card]:
     """The concrete cards at the points capture saw."""
     return [member(card, dict(p)) for p in card.family.points] if card.family is not None else [card]
+
+
+def calls_at_points(card: Card) -> list[tuple[Card, int]]:
+    """Each concrete card capture saw with its calls: an exact card itself; a family's members, each with
+    its point's calls (evenly split where a card predates `point_calls`)."""
+    if card.family is None:
+        return [(card, card.calls)]
+    members = members_at_points(card)
+    calls = card.family.point_calls
+    if len(calls) != len(members):
+        calls = [card.calls // max(len(members), 1)] * len(members)
+    return list(zip(members, calls, strict=True))
+
+
+def calls_by_output(cards: Iterable[Card]) -> dict[tuple, list[tuple[Card, int]]]:
+    """`cards.by_output` for families too: operator cards by the output layout of each concrete card
+    capture saw (`calls_at_points`), each with that point's calls."""
+    index: dict[tuple, list[tuple[Card, int]]] = {}
+    for card in cards:
+        if card.kind != "fusion":
+            for m, calls in calls_at_points(card):
+                index.setdefault(card_output_key(m), []).append((card, calls))
+    return index
 
 
 # --- verification points -------------------------------------------------------------------------------------

@@ -256,6 +256,25 @@ def test_ops_inside_an_accepted_fusion_kernel_get_no_budget_and_count_once():
     assert allocator.total_gain(states) == pytest.approx(0.3 * 0.75 + 0.1 * 0.5)
 
 
+def test_a_family_is_covered_at_every_point_not_only_at_its_representative():
+    """An envelope's operator family stands for calls at several sizes, its representative being the
+    most-called one. A fusion chain met at another size (a decode step's exact rotary at batch 4 beside a
+    `neg` family whose representative is batch 1, as an H200 envelope build had) covers that point's
+    calls: matched at the representative alone, it covered none."""
+    from forgepack import families
+    from forgepack.capture import card_from_call
+
+    neg = torch.ops.aten.neg.default
+    calls = [dataclasses.replace(card_from_call(neg, (torch.randn(b, 64),), {})[0], calls=n)
+             for b, n in ((1, 5), (2, 1), (4, 2))]
+    (fam,) = families.fold(calls)
+    fam = fam.with_profile(Profile(eager_us=5.0, total_us=40.0, share=0.1, roofline_us=1.0, headroom=5.0))
+    assert fam.family is not None and fam.outputs[0].shape == (1, 64)  # the representative: batch 1
+    fusion = _fusion_card([("aten.neg.default", (4, 64))], calls=2, share=0.2)  # batch 4's two calls
+    cover = allocator.coverage([fam, fusion])
+    assert cover[fam.id] == ((fusion.id, pytest.approx(2 / 8)),)
+
+
 def test_the_headroom_cap_is_not_a_ceiling_for_a_card_already_past_it():
     """H200, Llama prefill: the fused rotary reached 18.9x in one call, above the 8x cap, and was dropped
     as if it had reached its ceiling, while three calls reached 20.3x."""

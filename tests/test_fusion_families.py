@@ -117,6 +117,26 @@ def test_a_bf16_decode_rotary_folds_though_a_size_1_axis_stride_differs_from_its
     assert [(d.min, d.max) for d in rotary.family.dims] == [(1, 3)] and rotary.args[0].tensor.dtype == "bfloat16"
 
 
+def test_a_fused_family_covers_the_operator_families_inside_it_at_every_point():
+    """The real envelope pipeline: the fused RMSNorm family runs every call of the mean and rsqrt families
+    (all their calls are inside its chains, at every captured point), so once its kernel is accepted the
+    allocator spends nothing on them (`test_allocator` has the case where only a non-representative point
+    matches)."""
+    from forgepack.search import allocator
+
+    r = _recipe(**WORKLOAD)
+    per_point: list = []
+    with models.quiet_transformers():
+        lm = models.load(r)
+        ops = profile.capture_envelope(lm, lambda *_: None, per_point).cards
+        fused = fusion.build_points(lm.model, per_point, lm.device, None, []).cards
+    norm = _family(fused, "rmsnorm")
+    cover = allocator.coverage([*ops, *fused])
+    inside = [c for c in ops if c.family is not None and c.op in ("aten.mean.dim", "aten.rsqrt.default")]
+    assert inside and all(dict(cover[c.id]).get(norm.id, 0.0) == pytest.approx(1.0) for c in inside), \
+        [(c.signature(), cover.get(c.id)) for c in inside]
+
+
 def test_a_decode_rotary_family_runs_the_batch_1_kernel_per_batch_index(envelope, evaluator):
     """A decode step's rotary varies only the batch, the outermost axis of every tensor: `fused.indexed`
     renders the batch-1 member's index math and moves each pointer by its tensor's batch stride. With the

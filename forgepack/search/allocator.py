@@ -42,7 +42,8 @@ import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from forgepack.cards import Card, by_output, output_key
+from forgepack import families
+from forgepack.cards import Card, output_key
 
 # Beta(a, b) priors on "one call improves this card", per baseline class.
 DEFAULT_PRIORS: dict[str, tuple[float, float]] = {
@@ -214,18 +215,21 @@ def coverage(cards: Sequence[Card]) -> dict[str, tuple[tuple[str, float], ...]]:
 
     A chain entry is matched to operator cards by op and output layout (the chain records its entries'
     outputs); where several cards share both (inputs laid out differently), the entry's calls are split
-    in proportion to their calls.
+    in proportion to their calls. A family card (a fusion's or an operator's) takes part at each point
+    capture saw, with that point's calls (`families.calls_at_points`): an envelope build's fused RMSNorm
+    family covers the mean and cast families inside it, whose representatives may be other points'.
     """
-    by_key = by_output(cards)
+    by_key = families.calls_by_output(cards)
     covered: dict[str, dict[str, float]] = {}
     for fusion in (c for c in cards if c.kind == "fusion"):
-        for entry in fusion.chain:
-            matches = by_key.get(output_key(entry.op, entry.outs), [])
-            total = sum(c.calls for c in matches)
-            for card in matches:
-                if card.calls and total:  # it takes fusion.calls * card.calls / total of card's calls
-                    mine = covered.setdefault(card.id, {})
-                    mine[fusion.id] = mine.get(fusion.id, 0.0) + fusion.calls / total
+        for member, fused_calls in families.calls_at_points(fusion):
+            for entry in member.chain:
+                matches = by_key.get(output_key(entry.op, entry.outs), [])
+                total = sum(n for _, n in matches)
+                for card, n in matches:
+                    if card.calls and total:  # it takes fused_calls * n / total of the card's calls
+                        mine = covered.setdefault(card.id, {})
+                        mine[fusion.id] = mine.get(fusion.id, 0.0) + fused_calls * n / total / card.calls
     return {cid: tuple((fid, min(1.0, f)) for fid, f in sorted(by.items())) for cid, by in covered.items()}
 
 
