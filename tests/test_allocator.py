@@ -275,6 +275,23 @@ def test_a_family_is_covered_at_every_point_not_only_at_its_representative():
     assert cover[fam.id] == ((fusion.id, pytest.approx(2 / 8)),)
 
 
+def test_breadth_takes_an_operator_card_a_pending_fusion_would_fuse_away_last_in_its_round():
+    """The mean inside RMSNorm (all its calls in the fused chain) waits while the fused RMSNorm is untried
+    or still being evaluated; an accepted fusion kernel then drops it, a rejected one gives it its call."""
+    fusion = state("norm", 0.3, baseline="fusion", kind="fusion")
+    mean = state("mean", 0.2, covered=(("norm", 1.0),))
+    add = state("add", 0.05)
+    assert allocator.decide_breadth([fusion, mean, add], CFG).card_id == "norm"
+    pending = dataclasses.replace(fusion, pending=1)
+    assert allocator.awaiting_fusion([pending, mean, add]) == {"mean"}
+    assert allocator.decide_breadth([pending, mean, add], CFG).card_id == "add"  # mean's gain is larger
+    rejected = dataclasses.replace(fusion, best=(1.0,), since_improvement=1)
+    assert allocator.decide_breadth([rejected, mean, dataclasses.replace(add, best=(1.2,))], CFG).card_id == "mean"
+    accepted = dataclasses.replace(fusion, best=(4.0,), successes=1.0)
+    by_id = {sc.card_id: sc for sc in allocator.scores([accepted, mean, add], CFG)}
+    assert "fused away" in by_id["mean"].dropped
+
+
 def test_the_headroom_cap_is_not_a_ceiling_for_a_card_already_past_it():
     """H200, Llama prefill: the fused rotary reached 18.9x in one call, above the 8x cap, and was dropped
     as if it had reached its ceiling, while three calls reached 20.3x."""

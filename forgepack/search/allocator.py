@@ -427,9 +427,22 @@ def decide_breadth(states: Sequence[CardState], cfg: Config, reach: Reach | None
     if not live:
         return Decision(None, "breadth: every card is dropped or has nothing left to gain")
     calls = {s.card_id: s.calls for s in states}
-    pick = min(live, key=lambda sc: calls[sc.card_id])  # `live` is best first: ties keep the better card
+    waiting = awaiting_fusion(states)
+    # `live` is best first: ties keep the better card
+    pick = min(live, key=lambda sc: (calls[sc.card_id], sc.card_id in waiting))
     return Decision(pick.card_id, f"breadth: fewest calls so far ({calls[pick.card_id]}) among {len(live)} live "
                                   f"cards, then est. gain/call {pick.score:.2e}")
+
+
+def awaiting_fusion(states: Sequence[CardState]) -> frozenset[str]:
+    """Operator cards whose calls all run inside fusion cards not judged yet (untried, or a call still
+    being evaluated): a breadth round takes them last, since an accepted fusion kernel fuses them away
+    (an envelope build's first round had spent its calls on RMSNorm's mean and casts while the fused
+    RMSNorm was still being evaluated)."""
+    hopeful = {s.card_id for s in states if s.kind == "fusion" and s.best_speedup <= 1.0
+               and (s.pending or not s.best)}
+    return frozenset(s.card_id for s in states if s.kind != "fusion"
+                     and sum(f for fid, f in s.covered if fid in hopeful) >= 1.0 - 1e-6)
 
 
 STRATEGIES: dict[str, Callable[[Sequence[CardState], Config], Decision]] = {
