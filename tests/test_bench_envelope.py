@@ -58,6 +58,15 @@ def test_the_envelope_recipe_carries_the_build_knobs(monkeypatch):
     assert plain.build.time_limit is None and plain.build.margin == 0.05
 
 
+def test_a_negative_misses_count_is_refused_before_anything_is_built(monkeypatch, capsys):
+    monkeypatch.syspath_prepend(str(TOOLS))
+    import bench_envelope
+
+    with pytest.raises(SystemExit) as exit_:
+        bench_envelope.main(["--misses", "-1"])
+    assert exit_.value.code == 2 and "--misses takes a count" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 @pytest.mark.long
 def test_cpu_mode_builds_an_envelope_pack_and_counts_what_it_serves(tmp_path):

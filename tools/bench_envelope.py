@@ -362,6 +362,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="after the trace, re-run its first request under pack.record_misses() and report each "
                         "op's N most frequent missed signatures (0: off)")
     args = p.parse_args(argv)
+    if args.misses < 0:
+        p.error(f"--misses takes a count of signatures per op, 0 or more (got {args.misses})")
 
     new = parse_pair(args.new)
     cache_max = args.cache_max or recipe.high(recipe.parse_size(args.seq_len, "seq_len")) + new[1]
