@@ -290,6 +290,21 @@ class Evaluator:
             return self._rejected(timed, base, seed, verify_s=verify_s, bench_s=bench_s)
         return _bench_verdict(timed, margin, base, {"verification": verified, "seed": seed}, verify_s, bench_s)
 
+    def bench_again(self, card: Card, compiled: CompileResult, source: str, margin: float = 0.05,
+                    placement: int = 1) -> Verdict:
+        """The benchmark alone, once more, on fresh inputs at another placement in memory (`verify.bench`):
+        for a kernel `run_worker` has verified and timed, whose time at one placement may mislead."""
+        base = {"source_hash": source_hash(source), "binary": compiled.binary, "compile_s": compiled.seconds}
+        seed = secrets.randbelow(1 << 31)
+        reps = {"reps": self.bench_reps} if self.bench_reps else {}
+        start = time.perf_counter()
+        timed = self._ask({"cmd": "bench", "card": cards_mod.to_json(card), "binary": compiled.binary,
+                           "samples": None, "seed": seed, "placement": placement, **reps})
+        bench_s = time.perf_counter() - start
+        if not timed.ok:
+            return self._rejected(timed, base, seed, verify_s=0.0, bench_s=bench_s)
+        return _bench_verdict(timed, margin, base, {"seed": seed, "placement": placement}, 0.0, bench_s)
+
     # --- the worker ----------------------------------------------------------------------------
 
     def start(self) -> dict:

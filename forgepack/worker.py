@@ -17,6 +17,7 @@ corrupt the protocol. The first line sent is ``{"ready": true, ...}`` once torch
 Requests (``card`` is `cards.to_json`, ``binary`` a compiled `kernel.so`, ``samples`` a path or null):
     {"cmd": "verify", "card": {...}, "binary": "...", "samples": ..., "seed": N} -> `outcomes.Verified` / `Failure`
     {"cmd": "bench",  "card": {...}, "binary": "...", "samples": ..., "seed": N} -> `outcomes.Timed` / `Failure`
+        (optional "reps": N, "placement": K > 0 to place the buffers elsewhere: `verify.bench`)
     {"cmd": "exit"}
 A failure of the stock op answers ``{"ok": false, "error": "..."}``; any other exception while a kernel
 was involved answers a crash failure and the worker exits (its memory may be corrupted).
@@ -158,7 +159,7 @@ def handle(request: dict, device, kernels: dict, cards, verify) -> tuple[dict, b
     except OSError as err:
         return verify.fail("crash", f"could not be loaded: {err}", error=str(err)).to_json(), True
     run = verify.verify if cmd == "verify" else verify.bench
-    extra = {"reps": int(request["reps"])} if cmd == "bench" and request.get("reps") else {}
+    extra = {key: int(request[key]) for key in ("reps", "placement") if cmd == "bench" and request.get(key)}
     try:
         outcome = run(card, kernels[binary], request.get("samples"), device, int(request["seed"]), **extra)
         return outcome.to_json(), False

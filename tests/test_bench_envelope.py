@@ -45,6 +45,22 @@ def test_fused_kernels_count_their_sites_calls_once_and_every_variants_hits(monk
                                                                                    "errors": 1}}
 
 
+def test_the_families_table_marks_points_timed_at_several_placements(monkeypatch):
+    monkeypatch.syspath_prepend(str(TOOLS))
+    import bench_envelope
+
+    runs = [{"speedup": 0.85, "ci_low": 0.83, "ci_high": 0.9}, {"speedup": 1.15, "ci_low": 1.1, "ci_high": 1.19}]
+    points = [{"values": {"d0": 3, "d1": 720}, "weight": 0.5, "speedup": 0.99, "ci_low": 0.83, "ci_high": 1.19,
+               "eager_us": 7.3, "kernel_us": 7.35, "placements": runs},
+              {"values": {"d0": 8, "d1": 2050}, "weight": 0.5, "speedup": 1.08, "ci_low": 1.05, "ci_high": 1.1,
+               "eager_us": 14.0, "kernel_us": 13.0}]
+    kept = [bench_envelope._point(p) for p in points]
+    assert kept[0]["placements"] == runs and "placements" not in kept[1]
+    md = bench_envelope.families_md([{"card": "cat-F0", "served": None, "share": None, "speedup": 1.03,
+                                      "whole_speedup": 1.03, "points": kept}])
+    assert "3/720: 0.99x (2 placements)" in md and "8/2050: 1.08x," not in md and "8/2050: 1.08x" in md
+
+
 def test_the_envelope_recipe_carries_the_build_knobs(monkeypatch):
     """A device call's build: a time limit, and for the served-share measurement every verified kernel
     kept (margin -0.99); left out, the base recipe's margin stands."""

@@ -93,6 +93,8 @@ def build(r: recipe.Recipe, root: Path, strategy: str = "allocator") -> tuple[Pa
 
 # Per timed point: the times too, so that a kernel at parity can be told from one at the memory ceiling
 POINT_FIELDS = ("values", "weight", "speedup", "ci_low", "ci_high", "eager_us", "kernel_us")
+# a point that lost by a little was timed again elsewhere in memory: each run's figures (familyeval)
+RETIMED_FIELD = "placements"
 
 
 def family_kernels(ws_root: Path) -> list[dict[str, Any]]:
@@ -114,14 +116,27 @@ def family_kernels(ws_root: Path) -> list[dict[str, Any]]:
             whole = fam.get("whole") or {}
             out.append({"card": k.card_id, "served": accepted.served_text(k.served), "share": fam.get("served_share"),
                         "speedup": k.speedup, "whole_speedup": whole.get("speedup", k.speedup),
-                        "points": [{f: p.get(f) for f in POINT_FIELDS} for p in fam.get("points", ())]})
+                        "points": [_point(p) for p in fam.get("points", ())]})
     return out
+
+
+def _point(p: dict[str, Any]) -> dict[str, Any]:
+    out = {f: p.get(f) for f in POINT_FIELDS}
+    if RETIMED_FIELD in p:
+        out[RETIMED_FIELD] = p[RETIMED_FIELD]
+    return out
+
+
+def _point_text(p: dict[str, Any]) -> str:
+    runs = len(p.get(RETIMED_FIELD, ()))
+    return (f"{'/'.join(str(v) for v in p['values'].values())}: {p['speedup']:.2f}x"
+            + (f" ({runs} placements)" if runs else ""))
 
 
 def families_md(kernels: list[dict[str, Any]]) -> str:
     rows = [[k["card"], k["served"] or "whole range", "" if k["share"] is None else f"{k['share']:.0%}",
              f"{k['whole_speedup']:.3f}x", f"{k['speedup']:.3f}x",
-             ", ".join(f"{'/'.join(str(v) for v in p['values'].values())}: {p['speedup']:.2f}x" for p in k["points"])]
+             ", ".join(_point_text(p) for p in k["points"])]
             for k in kernels]
     return ("Family kernels as the build timed them (a kernel losing on part of its envelope is kept for the "
             "sub-range where it wins; stock serves the rest):\n\n"
