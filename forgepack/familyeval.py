@@ -19,7 +19,8 @@ way. Each point's figures stay in `diagnostics["family"]["points"]`.
 A kernel that wins on part of the envelope and loses on the rest (fast at long sequences, slow at short
 ones) is kept for the sub-range where it pays (`sub_range`): the box along the family's free dims that
 holds no losing timed point (slower than stock beyond the noise: its interval wholly below 1) and saves
-the most eager time over the timed points inside it. A point merely short of the margin (1.03x) is no
+the most eager time over the timed points inside it (a point whose interval holds 1 saves nothing
+measurable either way: it breaks no tie against a box that serves it). A point merely short of the margin (1.03x) is no
 loser: it still saves time, and a box that gave it to stock would also give away the winners beyond it
 (a real envelope build on CPU kept a 3.91x rsqrt family for a sub-range at 3.68x that way, handing
 stock the sizes where the kernel ran 1.07x). Its verdict is the narrowed
@@ -290,7 +291,12 @@ class PointFigure:
         return _slower(self.ci_high)
 
     def gain(self) -> float:
-        """The share of the envelope's eager time the kernel saves here (negative where it loses)."""
+        """The share of the envelope's eager time the kernel saves here (negative where it loses); none
+        where its interval holds 1: a median a little either side of 1 there is noise, and counting it
+        cut parity kernels' boxes short (the residual add's, served for batch 1-3 only in an H200 build
+        because batch 4's single token timed 0.968x [0.961, 1.000])."""
+        if self.ci_low <= 1.0 <= self.ci_high:
+            return 0.0
         return self.weight * (1.0 - 1.0 / max(self.speedup, 1e-12))
 
 
@@ -303,8 +309,9 @@ def _inside(box: Box, values: dict[str, int]) -> bool:
 
 def sub_range(family: Family, figures: list[PointFigure], margin: float) -> Box | None:
     """The box along the family's free dims, inside its range, that holds no losing timed point
-    (`PointFigure.loses`) and saves the most eager time over the timed points inside it; None where no
-    such box holds a winner (no point wins, or each winner's point is a loser's too) or saves anything.
+    (`PointFigure.loses`) and saves the most eager time over the timed points inside it (`PointFigure.gain`:
+    none at a point whose interval holds 1); None where no such box holds a winner (no point wins, or each
+    winner's point is a loser's too) and some of the envelope's eager time.
 
     Candidate boxes have their ends at timed points' values (per dim every [lo, hi] of them, at most
     MAX_TIMED_POINTS^2 / 2 per dim). The chosen box is then widened, one side at a time, to the range's
@@ -328,7 +335,7 @@ def sub_range(family: Family, figures: list[PointFigure], margin: float) -> Box 
         # the most time saved; between equal savings the box holding more timed points (a point of no
         # weight still tells that the kernel serves its sizes correctly and no slower)
         key = (round(sum(f.gain() for f in inside), 12), len(inside))
-        if key[0] > 0 and key > best_key:
+        if key > best_key and sum(f.weight for f in inside) > 0:  # it serves some of the envelope's time
             best, best_key = box, key
     if best is None:
         return None
