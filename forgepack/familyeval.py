@@ -210,7 +210,7 @@ def _folded(card: Card, verdicts: list[tuple[dict, Verdict]], captured: list[dic
                for (values, v), w in zip(timed, weights, strict=True)]
     # pays on part of the envelope only, or loses somewhere: the sub-range where it pays (module doc)
     box = sub_range(card.family, figures, margin)
-    if any(f.loses() for f in figures) or (box is not None and not all(_inside(box, f.values) for f in figures)):
+    if any(f.loses() for f in figures) or (box is not None and not all(in_box(box, f.values) for f in figures)):
         return _narrowed(card, box, timed, weights, figures, margin, diagnostics, base, summary, timing)
     if accept_rule(speedup, low, margin):
         return Verdict(True, None, f"verified; {summary}", diagnostics, **timing, **base)
@@ -303,7 +303,7 @@ class PointFigure:
 Box = tuple[tuple[str, int, int], ...]  # per free dim (name, lo, hi)
 
 
-def _inside(box: Box, values: dict[str, int]) -> bool:
+def in_box(box: Box, values: dict[str, int]) -> bool:
     return all(lo <= values[name] <= hi for name, lo, hi in box)
 
 
@@ -329,9 +329,9 @@ def sub_range(family: Family, figures: list[PointFigure], margin: float) -> Box 
         sides.append([(d.name, lo, hi) for lo, hi in itertools.combinations_with_replacement(ends, 2)])
     best, best_key = None, (0.0, 0)
     for box in itertools.product(*sides):
-        if any(_inside(box, v) for v in losers) or not any(_inside(box, f.values) for f in winners):
+        if any(in_box(box, v) for v in losers) or not any(in_box(box, f.values) for f in winners):
             continue
-        inside = [f for f in figures if _inside(box, f.values)]
+        inside = [f for f in figures if in_box(box, f.values)]
         # the most time saved; between equal savings the box holding more timed points (a point of no
         # weight still tells that the kernel serves its sizes correctly and no slower)
         key = (round(sum(f.gain() for f in inside), 12), len(inside))
@@ -339,7 +339,7 @@ def sub_range(family: Family, figures: list[PointFigure], margin: float) -> Box 
             best, best_key = box, key
     if best is None:
         return None
-    return _widened(best, free, [f.values for f in figures if not _inside(best, f.values)])
+    return _widened(best, free, [f.values for f in figures if not in_box(best, f.values)])
 
 
 def _widened(box: Box, free: list, left_out: list[dict[str, int]]) -> Box:
@@ -348,7 +348,7 @@ def _widened(box: Box, free: list, left_out: list[dict[str, int]]) -> Box:
         for end in ("lo", "hi"):
             name, lo, hi = out[k]
             trial = (name, d.min, hi) if end == "lo" else (name, lo, d.max)
-            if not any(_inside((*out[:k], trial, *out[k + 1:]), v) for v in left_out):
+            if not any(in_box((*out[:k], trial, *out[k + 1:]), v) for v in left_out):
                 out[k] = trial
     return tuple(out)
 
@@ -365,12 +365,12 @@ def _narrowed(card: Card, box: Box | None, timed: list[tuple[dict, Verdict]], we
     # The box lies inside the verified range (its ends are timed points' values or the range's ends);
     # `families.narrow` holds every later stage to that.
     served = families.narrow(card, box).family.served
-    inside = [_inside(box, f.values) for f in figures]  # the timed points
+    inside = [in_box(box, f.values) for f in figures]  # the timed points
     # Each captured point where the guard puts it: inside the box, timed as the timed point standing for it
     # (an untimed neighbour by bytes); outside, stock's 1.0x.
     raw = _shares(card, timed)
     total = sum(w for _, _, w in raw)
-    shares = [(w / total if total > 0 else 1.0 / len(raw), timed[j][1] if _inside(box, values) else None)
+    shares = [(w / total if total > 0 else 1.0 / len(raw), timed[j][1] if in_box(box, values) else None)
               for values, j, w in raw]
     speedup = _harmonic([w for w, _ in shares], [v.speedup if v else 1.0 for _, v in shares])
     low = _harmonic([w for w, _ in shares], [v.ci_low if v else 1.0 for _, v in shares])

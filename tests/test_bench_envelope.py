@@ -61,6 +61,33 @@ def test_the_families_table_marks_points_timed_at_several_placements(monkeypatch
     assert "3/720: 0.99x (2 placements)" in md and "8/2050: 1.08x," not in md and "8/2050: 1.08x" in md
 
 
+def test_a_replay_under_todays_rule_serves_a_parity_point_a_build_once_cut(tmp_path):
+    # call 1 of benchmarks/2026-12-04-h200-session15: the residual add kept for batch 1-3 over batch 4's
+    # 0.968x [0.961, 1.000]; today's rule keeps it whole, and a loss at every placement stays cut
+    def point(b, s, speedup, low, high, weight):
+        return {"values": {"d0": b, "d1": s}, "weight": weight, "speedup": speedup, "ci_low": low, "ci_high": high,
+                "eager_us": 4.0, "kernel_us": 4.0 / speedup}
+
+    add = [point(1, 16, 1.053, 1.0, 1.146, 0.07), point(1, 1, 1.049, 0.993, 1.188, 0.16),
+           point(3, 719, 1.019, 0.998, 1.042, 0.07), point(4, 1123, 0.996, 0.990, 1.0, 0.05),
+           point(4, 1, 0.968, 0.961, 1.0, 0.42), point(8, 2296, 0.997, 0.991, 1.003, 0.23)]
+    lost = [point(1, 1, 0.948, 0.912, 0.952, 0.375), point(8, 1, 1.055, 1.055, 1.106, 0.625)]
+    families = {"commit": "fc3f9d9", "families": [
+        {"card": "add_Tensor-Fddcbd7dcc0", "served": "d0 in 1..3", "share": 0.28, "points": add},
+        {"card": "mul_Tensor-Fa97de3b98c", "served": "d0 in 8..8", "share": 0.625, "points": lost}]}
+    source = tmp_path / "bench_envelope-llama_envelope-families.json"
+    source.write_text(json.dumps(families))
+    env = {**os.environ, "OUT": str(tmp_path / "out")}
+    proc = subprocess.run([sys.executable, str(TOOLS / "replay_subranges.py"), str(source)], env=env,
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads((tmp_path / "out" / "results" / "replay_subranges-llama_envelope.json").read_text())
+    add_row, mul_row = data["families"]
+    assert add_row["built"] == "d0 in 1..3" and add_row["now"] == "whole range" and add_row["now_share"] == 1.0
+    assert mul_row["now"] != "whole range" and mul_row["points_now"] == 1 and mul_row["now_share"] == 0.625
+    assert data["source_commit"] == "fc3f9d9"
+
+
 def test_the_envelope_recipe_carries_the_build_knobs(monkeypatch):
     """A device call's build: a time limit, and for the served-share measurement every verified kernel
     kept (margin -0.99); left out, the base recipe's margin stands."""

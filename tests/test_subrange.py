@@ -93,14 +93,14 @@ def test_the_box_never_holds_a_loser_and_stays_inside_the_verified_range():
             assert all(any(f.values == g.values for g in lost) for f in won)
             continue
         assert all(d.min <= lo <= hi <= d.max for d, (_, lo, hi) in zip(SEQ.dims, box, strict=True))
-        inside = [f for f in figs if familyeval._inside(box, f.values)]
+        inside = [f for f in figs if familyeval.in_box(box, f.values)]
         assert any(f.wins(0.05) for f in inside) and not any(f.loses() for f in inside)
         # no single winner's own point-box gains more than the chosen one
         best = sum(f.gain() for f in inside)
         for w in won:
             alone = tuple((n, w.values[n], w.values[n]) for n in ("d0", "d1"))
-            if not any(familyeval._inside(alone, f.values) for f in lost):
-                assert best >= sum(f.gain() for f in figs if familyeval._inside(alone, f.values)) - 1e-12
+            if not any(familyeval.in_box(alone, f.values) for f in lost):
+                assert best >= sum(f.gain() for f in figs if familyeval.in_box(alone, f.values)) - 1e-12
 
 
 # --- the verdict ---------------------------------------------------------------------------------------------
