@@ -996,8 +996,9 @@ def _placed_apart(placement: int, seed: int, device: torch.device):
     """Holds a spacer of a drawn size (1-9 MiB, page-granular) while the benchmark allocates, so its inputs
     and outputs land at other addresses than the last benchmark of the same sizes got (the caching
     allocator would hand back the same blocks). The same small op timed in two H200 builds moved by up
-    to a quarter while each build's interval stayed tight; where its buffers lay is the likeliest cause,
-    so `familyeval` times a point that loses again at another placement before acting on the loss."""
+    to a quarter while each build's interval stayed tight, and one benchmark's interval cannot see that;
+    so `familyeval` times a point that loses again, placed elsewhere and on fresh inputs, before acting
+    on the loss (benchmarks/2026-12-04-h200-session15: stock's time moved most)."""
     if placement <= 0:
         yield
         return
