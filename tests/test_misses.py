@@ -117,3 +117,22 @@ def test_fused_sites_still_serve_under_the_recorder_and_under_no_other_mode(fuse
     assert res["other"] == 0  # another dispatch mode would not see the chains: the sites decline
     assert res["same"]
     assert res["counted"] == [0, 0]  # a pack of fused kernels only overrides no op
+
+
+def test_views_of_a_growing_tensor_fold_into_one_row():
+    import torch
+
+    from forgepack.runtime.misses import MissRecorder, folded
+
+    rec = MissRecorder({"aten.clone.default": (0,)}, lambda: [0])  # a hit counter no call moves: all miss
+    with rec:
+        for n in range(20, 30):  # a decode step's last-token column of ids that grow by one a step
+            torch.arange(2 * n).reshape(2, n)[:, -1:].clone()
+        torch.ones(2, 3).clone()
+        torch.ones(3, 2).t().clone()  # a transposed view: its unit-stride dim stays visible
+    assert rec.misses == 12 and len(rec.top(None)) == 12  # one signature per step, unfolded
+    rows = rec.top(None, fold=True)
+    assert rows[0] == ("aten.clone.default", "int64[2,1] s(*,1) +* cpu", 10)
+    assert {(s, c) for _, s, c in rows[1:]} == {("float32[2,3] s(3,1) +0 cpu", 1), ("float32[2,3] s(1,*) +0 cpu", 1)}
+    assert "10  aten.clone.default  int64[2,1] s(*,1) +* cpu" in rec.table(fold=True)
+    assert folded("bfloat16[8,1,2048] s(2048,2048,1) +0 cuda, 1.0") == "bfloat16[8,1,2048] s(2048,2048,1) +0 cuda, 1.0"

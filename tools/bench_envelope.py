@@ -245,7 +245,8 @@ def run_trace(lm, pack, trace: list[dict], seed: int) -> list[dict]:
 
 def record_misses(lm, pack, request: dict, seed: int, top: int) -> list[dict]:
     """The trace's first request once more with the pack active, inside `pack.record_misses()`: per op, its
-    `top` most frequent signatures no kernel served (one request: the shapes a pack misses repeat per step)."""
+    `top` most frequent signatures no kernel served (one request: the shapes a pack misses repeat per step),
+    folded (`misses.folded`: a view's place in a growing tensor as `*`, one row for all of a decode's steps)."""
     ids = prompts([request], lm.model.config.get_text_config().vocab_size, lm.device, seed)[0]  # run_trace's
     pack.activate()
     try:
@@ -253,14 +254,15 @@ def record_misses(lm, pack, request: dict, seed: int, top: int) -> list[dict]:
             models.generate(lm.model, ids, request["new"])
     finally:
         pack.deactivate()
-    ops = dict.fromkeys(op for op, _, _ in rec.top(None))  # the op of the most frequent miss first
-    return [{"op": op, "signature": sig, "count": n} for op in ops for _, sig, n in rec.top(top, op=op)]
+    ops = dict.fromkeys(op for op, _, _ in rec.top(None, fold=True))  # the op of the most frequent miss first
+    return [{"op": op, "signature": sig, "count": n} for op in ops for _, sig, n in rec.top(top, op=op, fold=True)]
 
 
 def misses_md(misses: list[dict], request: dict) -> str:
     head = (f"Calls no kernel served, by signature: the first request (batch {request['batch']}, prompt "
             f"{request['prompt']}, new {request['new']}) re-run once with the pack under `pack.record_misses()`, "
-            "the most frequent per op:\n\n")
+            "the most frequent per op (`*`: a stride or offset that says where a view lies in a larger tensor, "
+            "folded over the steps):\n\n")
     if not misses:
         return head + "none missed.\n\n"
     return head + tabulate([[m["op"], m["signature"], m["count"]] for m in misses],

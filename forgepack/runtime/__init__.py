@@ -383,7 +383,8 @@ def stats() -> dict[str, dict[str, Any]]:
 
 def record_misses():
     """`with pack.record_misses() as rec:` the calls of the ops the pack overrides that no kernel served
-    inside the block, by signature: `rec.top(20)`, `rec.hits`, `rec.misses`, `rec.table()` (misses.py).
+    inside the block, by signature: `rec.top(20)`, `rec.hits`, `rec.misses`, `rec.table()` (misses.py;
+    `fold=True` to either: the views a decode takes of a growing tensor, one row for all its steps).
     The pack must be active; its fused module sites keep serving under the recorder."""
     if not is_active():
         raise PackError(f"{__name__} is not active; activate() before record_misses()")

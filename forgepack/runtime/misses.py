@@ -3,6 +3,7 @@
     with pack.record_misses() as rec:
         model.generate(...)
     rec.top(20)      # [(op, signature, count)], most frequent first
+    rec.top(20, fold=True)  # the same, views that differ only in where they lie in memory as one row
     rec.hits, rec.misses
     print(rec.table())
 
@@ -15,6 +16,10 @@ the process's: calls made by another thread while recording can turn a miss into
 makes inside its own kernel (`1 - t` is `rsub.Scalar`, whose CPU and CUDA kernels call `sub.Tensor`)
 runs below the mode: `stats()` counts it, the recorder never sees it.
 
+Decode steps slice views out of tensors that grow by a token a step (the last column of the ids, a row
+of the cache): the same miss then has a new stride and offset every step. `fold=True` shows such strides
+and offsets as `*` (`folded`), so such a miss is one row with its total count.
+
 The fused module sites (`modules.py`) decline under any dispatch mode but this one (its class carries
 `MARK`), so recording does not change what runs.
 
@@ -23,6 +28,7 @@ This file imports only torch and the standard library.
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -51,6 +57,32 @@ def describe(value: Any) -> str:
         return "[" + "; ".join(describe(v) for v in value) + "]"
     text = repr(value)
     return text if len(text) <= VALUE_CHARS else text[:VALUE_CHARS - 3] + "..."
+
+
+_PLACED = re.compile(r"\[([\d,]*)\] s\(([\d,]*)\) \+(\d+)")  # sizes, strides, offset in `_tensor`'s form
+
+
+def _contiguous(sizes: list[int]) -> list[int]:
+    out, step = [], 1
+    for n in reversed(sizes):
+        out.append(step)
+        step *= max(n, 1)
+    return out[::-1]
+
+
+def _starred(match: re.Match) -> str:
+    sizes = [int(v) for v in match.group(1).split(",")] if match.group(1) else []
+    strides = match.group(2).split(",") if match.group(2) else []
+    dense = _contiguous(sizes)
+    kept = [st if st in ("0", "1") or int(st) == d else "*" for st, d in zip(strides, dense, strict=True)]
+    return f"[{match.group(1)}] s({','.join(kept)}) +{'0' if match.group(3) == '0' else '*'}"
+
+
+def folded(sig: str) -> str:
+    """`sig` with where each view lies in a larger tensor as `*`: a stride that is none of 0, 1 and the
+    contiguous stride of its dim, and an offset that is not 0. What the guards check of a layout (dense,
+    broadcast, unit-stride dims) stays."""
+    return _PLACED.sub(_starred, sig)
 
 
 def signature(args: tuple, kwargs: dict) -> str:
@@ -93,16 +125,22 @@ class MissRecorder(TorchDispatchMode):
             self.counts[(str(func), signature(args, kwargs))] += 1
         return out
 
-    def top(self, n: int | None = 20, op: str | None = None) -> list[tuple[str, str, int]]:
-        """The missed (op, signature, count), most frequent first (`op`: only that op's; `n` None: all)."""
-        rows = [(o, s, c) for (o, s), c in self.counts.most_common() if op is None or o == op]
+    def top(self, n: int | None = 20, op: str | None = None, fold: bool = False) -> list[tuple[str, str, int]]:
+        """The missed (op, signature, count), most frequent first (`op`: only that op's; `n` None: all;
+        `fold`: signatures that differ only in where their views lie as one, by `folded`)."""
+        counts = self.counts
+        if fold:
+            counts = Counter()
+            for (o, s), c in self.counts.items():
+                counts[(o, folded(s))] += c
+        rows = [(o, s, c) for (o, s), c in counts.most_common() if op is None or o == op]
         return rows if n is None else rows[:n]
 
-    def table(self, n: int | None = 20) -> str:
-        """`top(n)` as plain text, after the totals."""
+    def table(self, n: int | None = 20, fold: bool = False) -> str:
+        """`top(n, fold=fold)` as plain text, after the totals."""
         calls = self.hits + self.misses
         head = f"{calls} calls of the pack's ops: {self.hits} served, {self.misses} missed"
-        rows = [(str(c), o, s) for o, s, c in self.top(n)]
+        rows = [(str(c), o, s) for o, s, c in self.top(n, fold=fold)]
         if not rows:
             return head
         widths = [max(len(r[k]) for r in [("count", "op", "signature"), *rows]) for k in range(2)]
