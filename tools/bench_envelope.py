@@ -214,8 +214,8 @@ def run_trace(lm, pack, trace: list[dict], seed: int) -> list[dict]:
     twin = eager_forward(lm.model)
     rows = []
     for k, (request, ids) in enumerate(zip(trace, prompts(trace, vocab, lm.device, seed), strict=True)):
-        # every other request runs the pack first: a first run's costs (the allocator growing to a new
-        # size) fall on each side in turn, so the wall columns are not all stock's first-run figures
+        # every other request runs the pack first: whatever a request's first run pays (the allocator
+        # growing, caches warming) falls on each side in turn, not on stock's wall column every time
         runs = {side: _generate(lm, pack, ids, request["new"], side == "pack")
                 for side in (("stock", "pack") if k % 2 == 0 else ("pack", "stock"))}
         (stock, stock_s, _), (got, pack_s, (before, after)) = runs["stock"], runs["pack"]
