@@ -86,6 +86,11 @@ def test_a_replay_under_todays_rule_serves_a_parity_point_a_build_once_cut(tmp_p
     assert add_row["built"] == "d0 in 1..3" and add_row["now"] == "whole range" and add_row["now_share"] == 1.0
     assert mul_row["now"] != "whole range" and mul_row["points_now"] == 1 and mul_row["now_share"] == 0.625
     assert data["source_commit"] == "fc3f9d9"
+    (tmp_path / "other.json").write_text(json.dumps({"served": 0.9}))  # a trace's JSON, not a build's families
+    for bad in (tmp_path / "missing.json", tmp_path / "other.json"):
+        proc = subprocess.run([sys.executable, str(TOOLS / "replay_subranges.py"), str(bad)], env=env,
+                              capture_output=True, text=True, timeout=300, check=False)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr and str(bad) in proc.stderr
 
 
 def test_the_envelope_recipe_carries_the_build_knobs(monkeypatch):

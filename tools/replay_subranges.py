@@ -60,7 +60,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("families", type=Path, help="a bench_envelope-<name>-families.json")
     p.add_argument("--margin", type=float, default=-0.99, help="the build's accept margin")
     args = p.parse_args(argv)
-    data = json.loads(args.families.read_text())
+    try:
+        data = json.loads(args.families.read_text())
+    except (OSError, ValueError) as err:
+        p.error(f"cannot read {args.families}: {err}")
+    if not isinstance(data, dict) or not isinstance(data.get("families"), list):
+        p.error(f"{args.families} is no bench_envelope-<name>-families.json (it has no list of families)")
     rows = [replayed(k, args.margin) for k in data["families"] if k["points"]]
     info = {**benchlib.meta(), "source_commit": data.get("commit")}
     name = args.families.stem.removeprefix("bench_envelope-").removesuffix("-families")
