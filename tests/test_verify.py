@@ -138,6 +138,21 @@ def test_accept_rule_and_verdict_round_trip():
                                "mutates-input", "slower"}
 
 
+def test_an_edge_draw_of_an_integer_input_holds_its_range_ends_and_values_with_zero_low_bits():
+    """A kernel reading an int64 through a narrower type (a cast to bool that kept the low byte) is wrong
+    only at values like 256; a uniform draw over a range of a few hundred seldom holds one, so the edge
+    set plants them, with the range's ends, in every integer input."""
+    from forgepack.cards import TensorMeta, ValueStats
+
+    meta = TensorMeta("int64", (4, 9), (9, 1), stats=ValueStats(mean=148.0, std=87.0, min=-3, max=299))
+    for seed in range(5):
+        drawn = samples_mod.draw_edge(meta, torch.Generator().manual_seed(seed), "cpu")
+        assert {-3, 256, 299} <= set(drawn.flatten().tolist()) and drawn.min() >= -3 and drawn.max() <= 299
+    wide = TensorMeta("int64", (64,), (1,), stats=ValueStats(min=-(1 << 40), max=1 << 40))
+    planted = set(samples_mod.draw_edge(wide, torch.Generator().manual_seed(0), "cpu").tolist())
+    assert {1 << 8, -(1 << 8), 1 << 16, -(1 << 16), 1 << 32, -(1 << 32)} <= planted
+
+
 # --- the evaluator -------------------------------------------------------------------------------
 
 

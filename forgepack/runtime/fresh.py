@@ -6,7 +6,8 @@ serving machine.
 A tensor keeps its recorded dtype, sizes, strides and storage offset (a storage with the same offset
 in front, so pointer alignment matches too). Values: floats with the captured mean and spread (and
 sign, when nothing negative was seen), integers in the captured range, bools at random; an edge
-draw plants inf, -inf and NaN in float inputs, whose positions a kernel must reproduce. Part of the
+draw plants inf, -inf and NaN in float inputs, whose positions a kernel must reproduce, and in integer
+inputs the range's ends and its values with zero low bits. Part of the
 pack runtime: torch and the standard library only.
 """
 
@@ -52,16 +53,33 @@ def draw_values(meta: TensorRecord, gen: torch.Generator, edge: bool = False) ->
         return torch.rand(n, generator=gen, device=gen.device) < 0.5
     if meta.dtype not in FLOAT_DTYPES:
         lo, hi = int(stats.get("min", -1)), int(stats.get("max", 1))
-        return torch.randint(lo, hi + 1, (n,), generator=gen, dtype=torch.int64, device=gen.device)
+        values = torch.randint(lo, hi + 1, (n,), generator=gen, dtype=torch.int64, device=gen.device)
+        return _plant(values, _int_edges(lo, hi), gen) if edge else values
     mean = stats.get("mean", 0.0)
     std = stats.get("std", 1.0) or max(abs(mean), 1.0)  # a constant input: its own magnitude
     values = torch.randn(n, generator=gen, dtype=torch.float64, device=gen.device) * std + mean
     if stats.get("min", -1.0) >= 0:  # e.g. variances, probabilities, rsqrt inputs: keep the sign
         values = values.abs()
-    if edge and n >= 8:
-        spots = torch.randint(0, n, (3,), generator=gen, device=gen.device).tolist()
-        for i, special in zip(spots, _EDGE_VALUES, strict=True):
-            values[i] = special
+    return _plant(values, _EDGE_VALUES, gen) if edge else values
+
+
+def _int_edges(lo: int, hi: int) -> tuple[int, ...]:
+    """The range's ends, and the values in it nearest zero whose low 8, 16 or 32 bits are all zero: a
+    kernel that reads an int64 through a narrower type (a cast to bool that kept the low byte) gets
+    those wrong, and a uniform draw over a range of a few hundred rarely holds one."""
+    wide = [m for k in (8, 16, 32) for m in (1 << k, -(1 << k)) if lo <= m <= hi]
+    return tuple(dict.fromkeys((lo, hi, *wide)))
+
+
+def _plant(values: torch.Tensor, specials: tuple, gen: torch.Generator) -> torch.Tensor:
+    """`values` with each special value at its own random position (none in a window of fewer than 8)."""
+    if values.numel() < max(8, len(specials)):
+        return values
+    spots = torch.randint(0, values.numel(), (len(specials),), generator=gen, device=gen.device).tolist()
+    if len(set(spots)) < len(spots):  # a later value would overwrite an earlier one: draw distinct spots
+        spots = torch.randperm(values.numel(), generator=gen, device=gen.device)[:len(specials)].tolist()
+    for i, special in zip(spots, specials, strict=True):
+        values[i] = special
     return values
 
 
