@@ -41,12 +41,14 @@ from collections.abc import Iterable
 
 from forgepack.cards import (
     FREE_STRIDE,
+    Arg,
     Card,
     Dim,
     Family,
     Layout,
     Profile,
     TensorMeta,
+    ValueStats,
     card_output_key,
     chain_digest,
 )
@@ -112,13 +114,51 @@ def fold_members(cards: Iterable[Card], min_members: int = 2) -> list[tuple[Card
         groups[key].append(card)
     out = []
     for key in order:
-        for members in _clusters(groups[key]) if key[0] != "single" else [groups[key]]:
-            family = explain(members) if len(members) >= min_members else None
-            card = _family_card(members, family) if family is not None else None
-            if card is not None and card.chain and not _replays_members(card, members):
-                card = None
+        if key[0] == "single":
+            out.extend((m, [m]) for m in groups[key])
+            continue
+        folded = _folded(_clusters(groups[key]), min_members)
+        if any(card is not None and not _op_reproduces(card) for card, _ in folded):
+            folded = _folded(_clusters(groups[key], reproduced=True), min_members)
+        for card, members in folded:
             out.extend([(card, members)] if card is not None else [(m, [m]) for m in members])
     return out
+
+
+def _folded(clusters: list[list[Card]], min_members: int) -> list[tuple[Card | None, list[Card]]]:
+    """Each cluster's family card (None where it has too few members or no family), with its members."""
+    out = []
+    for members in clusters:
+        family = explain(members) if len(members) >= min_members else None
+        card = _family_card(members, family) if family is not None else None
+        if card is not None and card.chain and not _replays_members(card, members):
+            card = None
+        out.append((card, members))
+    return out
+
+
+def _op_reproduces(card: Card) -> bool:
+    """Whether the stock op, run on the meta device at each of the family's check points, gives outputs
+    of the sizes and dtypes the family says (strides may differ: a member's free input stride is drawn,
+    and an elementwise op's output follows its inputs' memory order). Two call sites can fold into a family
+    no op computes: Phi-3's rotate_half cat of 8 + 8 lanes and its pass-through cat of 16 + 0 are one
+    cat into 16 lanes, whose check point 8 + 0 stock answers with 8. Sizes the op refuses are no members
+    (the verifier skips them too); an op with no meta kernel cannot be asked, and the verifier decides."""
+    if card.kind != "op":
+        return True
+    from forgepack import opcall
+
+    for values in check_points(card):
+        m = member(card, values)
+        try:
+            layouts, dtypes = opcall.output_layouts(m)
+        except RuntimeError:
+            continue
+        except (NotImplementedError, TypeError, ValueError):
+            return True
+        if [shape for shape, _, _ in layouts] != [o.shape for o in m.outputs] or dtypes != [o.dtype for o in m.outputs]:
+            return False
+    return True
 
 
 def _replays_members(card: Card, members: list[Card]) -> bool:
@@ -148,13 +188,19 @@ def _addressed(shape: tuple, stride: tuple, offset: int) -> tuple:
     return shape, tuple(s if n != 1 else None for n, s in zip(shape, stride, strict=True)), offset
 
 
-def _clusters(cards: list[Card]) -> list[list[Card]]:
+def _clusters(cards: list[Card], reproduced: bool = False) -> list[list[Card]]:
     """Split one group into the largest sets that one family explains, greedily in capture order
-    (a group mixes layouts: an attention product's transposed and contiguous operands, say)."""
+    (a group mixes layouts: an attention product's transposed and contiguous operands, say). With
+    `reproduced`, a set must also be a family the stock op computes (`_op_reproduces`): slower, so only
+    for a group whose plain split gave one that is not."""
+    def explains(members: list[Card]) -> bool:
+        family = explain(members)
+        return family is not None and (not reproduced or _op_reproduces(_family_card(members, family)))
+
     clusters: list[list[Card]] = []
     for card in cards:
         for cluster in clusters:
-            if explain([*cluster, card]) is not None:
+            if explains([*cluster, card]):
                 cluster.append(card)
                 break
         else:
@@ -165,7 +211,7 @@ def _clusters(cards: list[Card]) -> list[list[Card]]:
     for cluster in clusters:
         home = None
         if len(cluster) == 1:
-            home = next((c for c in clusters if len(c) > 1 and explain([*c, *cluster]) is not None), None)
+            home = next((c for c in clusters if len(c) > 1 and explains([*c, *cluster])), None)
         if home is None:
             kept.append(cluster)
         else:
@@ -201,7 +247,8 @@ def explain(members: list[Card]) -> Family | None:
         dims_seen = {name: tuple(vec[i] for i in full) for name, vec in dim_values.items()}
         strides = []
         for a in range(len(meta.shape)):
-            rule = _stride_rule([ms[t].stride[a] for ms in seen], [ms[t].shape[a] for ms in seen], dims_seen)
+            inner = {d for d in shape[a + 1:] if isinstance(d, str)}
+            rule = _stride_rule([ms[t].stride[a] for ms in seen], [ms[t].shape[a] for ms in seen], dims_seen, inner)
             if rule is None and t < n_in and all(ms[t].stride[a] >= 0 for ms in seen):
                 rule = FREE_STRIDE  # an input's stride no dims explain: bound by no rule (the kernel reads it)
             if rule is None:
@@ -251,25 +298,35 @@ def _broadcast_at_some_points(vec: tuple[int, ...], values: dict[tuple, tuple[in
     return 1 in vec and len(set(vec)) > 1 and sum(v == vec for v in values.values()) < 2
 
 
-def _stride_rule(strides: list[int], sizes: list[int], dims: dict[str, tuple[int, ...]]) -> tuple | None:
+def _stride_rule(strides: list[int], sizes: list[int], dims: dict[str, tuple[int, ...]],
+                 inner: set[str] = frozenset()) -> tuple | None:
     """(c, dims) with stride == c * prod(dims) at every point, fewest dims first; None if there is none.
 
     A size-1 axis's stride is never read (PyTorch sets it freely), so the points where the axis is 1 do
     not count: any rule that holds at the others does (a batch-1 view of a fused qkv buffer beside its
-    batch-3 twin); an axis 1 at every point is recorded as (stride at the first point, ())."""
+    batch-3 twin); an axis 1 at every point is recorded as (stride at the first point, ()).
+
+    A dim may repeat (a prefill's q*k where q == k at every point so far is d*d). Where several rules
+    hold at every point read, the one over `inner` (the dims of the axes after this one) wins, then one
+    without a repeat: a dense tensor's. An attention mask's q axis has stride k, and where q == k at
+    every prefill that fits the rule `q` too; taken as `q`, a check point with q != k would lay the
+    rows over each other."""
     read = [i for i, n in enumerate(sizes) if n != 1]
     if not read:
         return (strides[0], ())
     names = list(dims)
-    for r in range(min(MAX_STRIDE_DIMS, len(names)) + 1):
-        for combo in itertools.combinations(names, r):
+    for r in range(MAX_STRIDE_DIMS + 1):
+        fits = []
+        for combo in itertools.combinations_with_replacement(names, r):
             prods = [math.prod(dims[d][i] for d in combo) for i in read]
             first = strides[read[0]]
             if any(p == 0 for p in prods) or first % prods[0]:
                 continue
             c = first // prods[0]
             if all(strides[i] == c * p for i, p in zip(read, prods, strict=True)):
-                return (c, combo)
+                fits.append((c, combo))
+        if fits:  # min keeps the first of equals: the name order decides what nothing else does
+            return min(fits, key=lambda rule: (not set(rule[1]) <= inner, len(set(rule[1])) < len(rule[1])))
     return None
 
 
@@ -290,7 +347,39 @@ def _family_card(members: list[Card], family: Family) -> Card:
     if all(c.profile is not None for c in members):  # folded after profiling (fusion cards)
         extra["profile"], weights = summed_profile([(c.calls, c.profile) for c in members], rep.profile)
         family = dataclasses.replace(family, point_weights=weights)
-    return dataclasses.replace(rep, family=family, calls=calls, modules=modules, **extra)
+    return dataclasses.replace(rep, family=family, calls=calls, modules=modules, args=_pooled_args(members, rep),
+                               **extra)
+
+
+def _pooled_args(members: list[Card], rep: Card) -> tuple[Arg, ...]:
+    """`rep`'s args with each tensor's value stats pooled over the members: the verifier draws a member's
+    inputs from them, and one member's alone may miss what the others held (a mask cast to bool whose
+    batch-1 member never reached 256 would let a kernel keeping the low byte pass)."""
+    def pooled(metas: list[TensorMeta]) -> TensorMeta:
+        like = metas[members.index(rep)]
+        return dataclasses.replace(like, stats=_pooled_stats([(m.numel, m.stats) for m in metas]))
+
+    out = []
+    for i, arg in enumerate(rep.args):
+        if arg.kind == "tensor":
+            arg = dataclasses.replace(arg, tensor=pooled([c.args[i].tensor for c in members]))
+        elif arg.kind == "tensors":
+            lists = [c.args[i].tensors for c in members]
+            arg = dataclasses.replace(arg, tensors=tuple(pooled(list(ts)) for ts in zip(*lists, strict=True)))
+        out.append(arg)
+    return tuple(out)
+
+
+def _pooled_stats(parts: list[tuple[int, ValueStats | None]]) -> ValueStats | None:
+    """One summary of several tensors' values (by element count): the widest range, the pooled mean and spread."""
+    parts = [(n, st) for n, st in parts if st is not None and n > 0]
+    if not parts:
+        return None
+    total = sum(n for n, _ in parts)
+    mean = sum(n * st.mean for n, st in parts) / total
+    second = sum(n * (st.std**2 + st.mean**2) for n, st in parts) / total
+    return ValueStats(mean=mean, std=math.sqrt(max(second - mean**2, 0.0)), min=min(st.min for _, st in parts),
+                      max=max(st.max for _, st in parts), nonfinite=any(st.nonfinite for _, st in parts))
 
 
 def summed_profile(points: list[tuple[int, Profile]], rep: Profile) -> tuple[Profile, tuple[float, ...]]:

@@ -98,9 +98,11 @@ def run_chain(card: Card, tensors: list[torch.Tensor | None], device: torch.devi
     return chain_plan(card, torch.device(device))(tensors)
 
 
-def chain_layouts(card: Card) -> list[list[tuple[tuple[int, ...], tuple[int, ...], int]]]:
-    """Each chain entry's outputs as (sizes, strides, storage offset) at the card's input sizes: the chain
-    replayed on the meta device (what a family member's chain looks like at sizes no capture saw)."""
+Layouts = list[tuple[tuple[int, ...], tuple[int, ...], int]]
+
+
+def _meta_inputs(card: Card) -> list[torch.Tensor | None]:
+    """The card's inputs on the meta device, in their exact layouts (no memory, no values)."""
     tensors = []
     for m in card.tensor_inputs():
         if m is None:
@@ -108,9 +110,27 @@ def chain_layouts(card: Card) -> list[list[tuple[tuple[int, ...], tuple[int, ...
             continue
         base = torch.empty(m.storage_offset + m.span(), dtype=getattr(torch, m.dtype), device="meta")
         tensors.append(base.as_strided(m.shape, m.stride, m.storage_offset))
+    return tensors
+
+
+def _layouts(outs: list[torch.Tensor]) -> Layouts:
+    return [(tuple(t.shape), tuple(t.stride()), t.storage_offset()) for t in outs]
+
+
+def chain_layouts(card: Card) -> list[Layouts]:
+    """Each chain entry's outputs as (sizes, strides, storage offset) at the card's input sizes: the chain
+    replayed on the meta device (what a family member's chain looks like at sizes no capture saw)."""
     plan = ChainPlan(card, torch.device("meta"))
-    return [[(tuple(t.shape), tuple(t.stride()), t.storage_offset()) for t in outs]
-            for outs in plan.values(tensors)]
+    return [_layouts(outs) for outs in plan.values(_meta_inputs(card))]
+
+
+def output_layouts(card: Card) -> tuple[Layouts, list[str]]:
+    """An operator card's outputs as the stock op lays them out at the card's input sizes, and their
+    dtypes: the op run on the meta device. Raises what the op raises (sizes it refuses: RuntimeError;
+    no meta kernel: NotImplementedError)."""
+    args, kwargs = call_args(card, _meta_inputs(card), "meta")
+    outs = stockcall.flatten_outputs(stockcall.resolve(card.op)(*args, **kwargs))
+    return _layouts(outs), [str(t.dtype).removeprefix("torch.") for t in outs]
 
 
 class ChainPlan:

@@ -16,6 +16,11 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+# What the worker answers when the stock op cannot give a reference for a card's inputs (a
+# `verify.StockOpError`): it raised on them, or it gave outputs other than the card's.
+STOCK_FAILED = "the stock op failed"
+STOCK_DIFFERS = "the stock op gave"
+
 
 @dataclass(frozen=True)
 class Failure:

@@ -56,7 +56,7 @@ import torch
 from forgepack import opcall, timing
 from forgepack import samples as samples_mod
 from forgepack.cards import DTYPE_CODES, FLOAT_DTYPES, Card, TensorMeta
-from forgepack.outcomes import Failure, Timed, Verified
+from forgepack.outcomes import STOCK_DIFFERS, STOCK_FAILED, Failure, Timed, Verified
 from forgepack.runtime import compare as judge
 from forgepack.runtime import tolerances
 from forgepack.runtime.tolerances import is_statistic
@@ -552,12 +552,12 @@ class Harness:
         try:
             ref = opcall.run_stock(self.card, [None if g is None else g.view for g in placed], self.device)
         except Exception as err:
-            raise StockOpError(f"the stock op failed on the {label}: {err}") from err
+            raise StockOpError(f"{STOCK_FAILED} on the {label}: {err}") from err
         if len(ref) != len(self.card.outputs):
-            raise StockOpError(f"the stock op returned {len(ref)} outputs, the card has {len(self.card.outputs)}")
+            raise StockOpError(f"{STOCK_DIFFERS} {len(ref)} outputs, the card has {len(self.card.outputs)}")
         for j, (r, m) in enumerate(zip(ref, self.card.outputs, strict=True)):
             if tuple(r.shape) != m.shape or samples_mod.dtype_name(r.dtype) != m.dtype:
-                raise StockOpError(f"the stock op's output {j} is {samples_mod.meta_of(r).signature()}, "
+                raise StockOpError(f"{STOCK_DIFFERS} {samples_mod.meta_of(r).signature()} as output {j}, "
                                      f"the card says {m.signature()}")
         # kept alive, and cloned so a kernel writing into the op's own result memory changes nothing
         return InputSet(label, placed, snapshot, [r.clone() for r in ref])

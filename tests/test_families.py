@@ -3,6 +3,7 @@ captured variants, and whose guard twin (`families.bind`) accepts members and re
 
 import dataclasses
 
+import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -178,3 +179,73 @@ def test_a_size_1_axis_s_stride_does_not_count_toward_its_rule():
     (card,) = families.fold(calls)
     assert card.family is not None and card.family.inputs[0].stride[0] == (64, ())
     assert all(families.bind(card, c.tensor_inputs()) == {"d0": c.tensor_inputs()[0].shape[0]} for c in calls)
+
+
+def test_an_ambiguous_stride_follows_the_inner_axes_so_every_check_point_is_dense():
+    """Eager attention adds the mask: f32[b,4,q,k] + f32[b,1,q,k]. In a generate() envelope q == k at every
+    prefill and q is 1 at every decode step (where that axis's stride is never read), so the q axis's
+    stride k fits the rule `q` as well as `k`. Taken as `q`, a check point with q != k (Gemma-2's tiny
+    envelope drew q=72, k=8) is an output whose rows overlap, and a correct kernel fails there; the rule
+    must be the one a dense tensor has, `k`, the inner axis's size."""
+    from forgepack.capture import card_from_call
+
+    add = torch.ops.aten.add.Tensor
+    points = [(b, n, n) for b in (1, 4) for n in (8, 29)] + [(b, 1, k) for b in (1, 4) for k in (9, 10, 30, 31)]
+    calls = [card_from_call(add, (torch.randn(b, 4, q, k), torch.randn(b, 1, q, k)), {})[0] for b, q, k in points]
+    (fam,) = families.fold(calls)
+    q, k = fam.family.inputs[0].shape[2:]
+    assert fam.family.inputs[0].stride[2] == (1, (k,)) and fam.family.outputs[0].stride[2] == (1, (k,))
+    for values in families.check_points(fam):
+        m = families.member(fam, values)
+        for t in [*m.tensor_inputs(), *m.outputs]:  # a size-1 axis's stride is never read
+            dense = torch.empty(t.shape).stride()
+            assert all(s == d for n, s, d in zip(t.shape, t.stride, dense, strict=True) if n != 1), (values, t)
+    real = card_from_call(add, (torch.randn(2, 4, 5, 13), torch.randn(2, 1, 5, 13)), {})[0]  # a chunked prefill
+    assert families.bind(fam, real.tensor_inputs()) == {fam.family.dims[0].name: 2, q: 5, k: 13}
+
+
+def phi3_rotary_cats() -> list:
+    """Phi-3's rotary cats at batch x tokens points, 8 + 8 lanes and 16 + 0, in capture order."""
+    from forgepack.capture import card_from_call
+
+    cat = torch.ops.aten.cat.default
+    calls = []
+    for b, s in ((1, 8), (2, 13), (4, 29), (3, 1), (1, 1), (4, 1)):
+        q = torch.randn(b, s, 8 * 16).view(b, s, 8, 16).transpose(1, 2)[:, :4]  # q of a fused qkv buffer
+        for lanes in (8, 16):
+            rotated = torch.randn(b, s, 4, lanes).transpose(1, 2)
+            calls.append(card_from_call(cat, ([rotated, q[..., lanes:] if lanes == 16 else q[..., :8]], -1), {})[0])
+    return calls
+
+
+def test_two_call_sites_no_one_op_computes_do_not_fold_into_one_family():
+    """Phi-3's rotary cats 8 + 8 lanes (rotate_half) and 16 + 0 lanes (the rotated head beside its empty
+    pass-through), both into 16, from views of one fused qkv buffer. Their layouts fit one family with
+    the lanes as two dims, whose check point 8 + 0 stock answers with 8 lanes, not the family's 16: the
+    verifier's reference then failed and took the whole build down. Each site is its own family, and at
+    every check point the op (on the meta device) gives the outputs the family says."""
+    from forgepack import opcall
+
+    fams = families.fold(phi3_rotary_cats())
+    assert sorted(len(c.family.points) for c in fams if c.family is not None) == [6, 6]
+    for fam in fams:
+        for values in families.check_points(fam):
+            m = families.member(fam, values)
+            layouts, _ = opcall.output_layouts(m)
+            assert [shape for shape, _, _ in layouts] == [o.shape for o in m.outputs], values
+
+
+def test_a_family_card_draws_from_the_value_range_of_all_its_members():
+    """The verifier draws a family member's inputs from the card's value stats. Taken from one member
+    (a batch-1 mask whose nine values stayed below 256) they would hide what the others held."""
+    from forgepack.capture import card_from_call
+
+    calls = []
+    for b, n, high in ((1, 9, 200), (2, 17, 300), (4, 30, 1000)):
+        ids = torch.arange(b * n).reshape(b, n) % high
+        calls.append(card_from_call(torch.ops.aten._to_copy.default, (ids,), {"dtype": torch.bool})[0])
+    (card,) = families.fold(calls)
+    stats = card.tensor_inputs()[0].stats
+    assert (stats.min, stats.max) == (0, 119)
+    values = torch.cat([(torch.arange(b * n) % h).double() for b, n, h in ((1, 9, 200), (2, 17, 300), (4, 30, 1000))])
+    assert stats.mean == pytest.approx(float(values.mean())) and stats.std == pytest.approx(float(values.std()), rel=0.02)
