@@ -37,6 +37,13 @@ build's interval stayed tight (benchmarks/2026-12-04-h200-session14: the KV cach
 spanning every run's, so a point loses only where every placement lost; each run's figures stay in
 the point's `placements`.
 
+A family kernel's template states that it needs each input at element alignment only (its vector
+paths chosen at run time: `generic.natural_needs`), and the guard would admit any such pointer (a
+checkpoint's weight at 8 mod 16). The check points are all laid out at their captured offsets, so one
+more member has every input moved one element along (`shifted_member`) and is verified too; where it
+fails, the guard keeps each input at the offset modulo 16 bytes it was verified at. The answer is
+`diagnostics["family"]["element_aligned"]`, which the search reads (`element_aligned`).
+
 Exact-shape cards go straight to the `Evaluator`, unchanged.
 """
 
@@ -48,13 +55,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from forgepack import families, staticcheck
-from forgepack.cards import Card, Family
+from forgepack.cards import Card, Family, TensorMeta
 from forgepack.compile import CompileResult, compile_kernel
 from forgepack.errors import ForgepackError
 from forgepack.evaluate import Evaluator, Progress, Verdict, accept_rule
+from forgepack.outcomes import STOCK_DIFFERS, STOCK_FAILED
 
 TIMED_OK = (None, "slower")  # a timed point that is merely slow still verified
-STOCK_FAILED = "the stock op failed"  # the worker's error when stock PyTorch refuses a member's inputs
 
 
 def evaluate(evaluator: Evaluator, card: Card, source: str, samples_path: Path | None = None,
@@ -95,19 +102,62 @@ def evaluate_compiled(evaluator: Evaluator, card: Card, compiled: CompileResult,
             else:
                 verdict = evaluator.run_worker(member, compiled, source, samples, margin, timed)
         except ForgepackError as err:
-            if not str(err).startswith(STOCK_FAILED) or values in captured:
+            if values in captured:
                 raise
-            skipped.append(values)  # sizes the op itself refuses (operands that do not broadcast): no member
-            continue
+            if str(err).startswith(STOCK_FAILED):
+                skipped.append(values)  # sizes the op itself refuses (operands that do not broadcast): no member
+                continue
+            if str(err).startswith(STOCK_DIFFERS):  # the family is wrong here, not the model: this card only
+                return _failed(Verdict(False, "mismatch", f"the family does not describe the op here: {err}"),
+                               values, member, k, len(points))
+            raise
         if verdict.category not in (TIMED_OK if timed else (None,)):
             return _failed(verdict, values, member, k, len(points))
         verdicts.append((values, verdict))
+    shifted = _element_aligned(evaluator, compiled, source, families.member(card, rep or captured[0]), margin)
     if bench:
         confirmed = _confirmed(evaluator, card, compiled, source, verdicts, timed_at, margin)
         if isinstance(confirmed, Verdict):
             return confirmed
         verdicts = confirmed
-    return _folded(card, verdicts, timed_at, margin, bench, skipped)
+    return _folded(card, verdicts, timed_at, margin, bench, skipped, shifted)
+
+
+def shifted_member(member: Card) -> Card | None:
+    """`member` with every tensor input one element further into its storage, so that no data pointer
+    sits at a multiple of 16 bytes (None where no input can be moved so: none is narrower than 16)."""
+    def moved(m: TensorMeta | None) -> TensorMeta | None:
+        if m is None or not m.numel or m.itemsize >= 16:
+            return m
+        return dataclasses.replace(m, storage_offset=m.storage_offset + 1)
+
+    args = tuple(dataclasses.replace(a, tensor=moved(a.tensor)) if a.kind == "tensor"
+                 else dataclasses.replace(a, tensors=tuple(moved(t) for t in a.tensors)) if a.kind == "tensors"
+                 else a for a in member.args)
+    out = dataclasses.replace(member, args=args)
+    return None if out.tensor_inputs() == member.tensor_inputs() else out
+
+
+def _element_aligned(evaluator: Evaluator, compiled: CompileResult, source: str, member: Card,
+                     margin: float) -> dict:
+    """Whether the kernel is right with its inputs at element alignment only (`shifted_member`): a
+    template states that it needs no more (`generic.natural_needs`), and the guard admits such pointers
+    (a checkpoint's weight at 8 mod 16) only where this check passed; where it failed, the guard keeps
+    each input at the offset modulo 16 bytes it was verified at (`needs.default`)."""
+    moved = shifted_member(member)
+    if moved is None:
+        return {"ok": False, "reason": "no input narrower than 16 bytes to move"}
+    try:
+        verdict = evaluator.run_worker(moved, compiled, source, None, margin, False)
+    except ForgepackError as err:
+        return {"ok": False, "reason": str(err)}
+    return {"ok": verdict.accepted, "reason": verdict.reason, "member": moved.signature()}
+
+
+def element_aligned(verdict: dict | None) -> bool:
+    """Whether an accepted family verdict (as stored: JSON) passed `_element_aligned`."""
+    family = ((verdict or {}).get("diagnostics") or {}).get("family") or {}
+    return bool((family.get("element_aligned") or {}).get("ok"))
 
 
 RETIMED_ABOVE = 0.7  # a loss by less than this is timed again elsewhere in memory; a deeper one is no noise
@@ -184,11 +234,11 @@ def _failed(verdict: Verdict, values: dict, member: Card, index: int, total: int
 
 
 def _folded(card: Card, verdicts: list[tuple[dict, Verdict]], captured: list[dict], margin: float,
-            bench: bool, skipped: list[dict]) -> Verdict:
+            bench: bool, skipped: list[dict], shifted: dict) -> Verdict:
     first = verdicts[0][1]
     base = dict(source_hash=first.source_hash, binary=first.binary, compile_s=first.compile_s,
                 verify_s=sum(v.verify_s for _, v in verdicts), bench_s=sum(v.bench_s for _, v in verdicts))
-    family = {"checked": [values for values, _ in verdicts], "skipped": skipped}
+    family = {"checked": [values for values, _ in verdicts], "skipped": skipped, "element_aligned": shifted}
     diagnostics = {"verification": first.diagnostics.get("verification", {}), "family": family}
     n = len(verdicts)
     if not bench:

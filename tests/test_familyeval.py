@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_families import _captured, _tiny_llama
+from test_families import _captured, _tiny_llama, phi3_rotary_cats
 
 from forgepack import families, familyeval, needs
 from forgepack.capture import card_from_call
@@ -348,3 +348,38 @@ def test_a_family_of_many_points_is_timed_at_a_spread_and_weighs_every_point():
     assert sum(weights) == pytest.approx(1.0) and len(weights) == len(timed)
     assert min(weights) > 0 and max(weights) > 1.5 * min(weights)  # some stand for untimed neighbours too
     assert folded.speedup == pytest.approx(1 / (1 - weights[-1] + weights[-1] / 2.0))
+
+
+def test_a_family_member_stock_computes_otherwise_rejects_the_card_and_not_the_build(evaluator):
+    """A family no op computes (Phi-3's two rotary cats as one, which the fold no longer makes): at the
+    check point where stock's output has other sizes than the family's, the candidate is rejected with
+    the reason, where the verifier's error used to end the whole build."""
+    calls = phi3_rotary_cats()
+    family = families.explain(calls)
+    assert family is not None and len(family.dims) == 4
+    card = families._family_card(calls, family)
+    t = by_name("elementwise.cat")
+    verdict = familyeval.evaluate(evaluator, card, t.render(card, "cpu", t.default(card, "cpu")), bench=False)
+    assert not verdict.accepted and verdict.category == "mismatch"
+    assert "the family does not describe the op here: the stock op gave" in verdict.reason
+
+
+def test_a_kernel_right_only_at_16_byte_aligned_pointers_keeps_its_inputs_at_their_verified_offsets(fams, evaluator):
+    """A family template states that its kernel needs each input at element alignment only, so the guard
+    would admit a checkpoint's weight at 8 mod 16. Every check point is laid out at its captured offset;
+    the member moved one element along (`shifted_member`) is what holds the statement to account. A
+    kernel that rounds its input pointer down to 16 bytes is right at every check point and wrong there:
+    it is accepted, but not as element-aligned (the guard then keeps today's rule)."""
+    card = _pick(fams, "aten.mul.Tensor", "f32[64], f32[1,8,64]")
+    t = by_name("elementwise.binary")
+    honest = t.render(card, "cpu", t.default(card, "cpu"))
+    line = "p.in1 = (const float*)call->inputs[1].data;"
+    rounded = honest.replace(line, "p.in1 = (const float*)((uintptr_t)call->inputs[1].data & ~(uintptr_t)15);")
+    assert line in honest and rounded != honest
+    moved = familyeval.shifted_member(families.member(card, dict(card.family.points[0])))
+    assert all(m.storage_offset == 1 for m in moved.tensor_inputs())
+    for source, aligned_only in ((honest, True), (rounded, False)):
+        verdict = familyeval.evaluate(evaluator, card, source, bench=False)
+        assert verdict.accepted, verdict.reason
+        stored = {"diagnostics": verdict.diagnostics}
+        assert familyeval.element_aligned(stored) is aligned_only, verdict.diagnostics["family"]["element_aligned"]

@@ -470,12 +470,23 @@ class Search:
                     proposer=rec.proposer,
                     candidate_id=rec.id,
                     kind=card.kind,
-                    needs=needs_of(card, self.settings.target, rec.params) if card.kind == "op" else None,
+                    needs=self._needs(card, rec, needs_of),
                     binary_sha256=(rec.verdict or {}).get("diagnostics", {}).get("binary_sha256", ""),
                     served=accepted_mod.served_of(rec.verdict),
                 )
             )
         return sorted(out, key=lambda k: -self.cards[k.card_id].profile.share)
+
+    def _needs(self, card: Card, rec, needs_of) -> Any:
+        """What the guard checks of an accepted kernel's pointers: the template's statement where it was
+        verified (an exact operator kernel at its captured offsets; a family kernel, operator or fused,
+        also with every input at element alignment only: `familyeval.element_aligned`), else today's
+        rule (None: each input at the offset modulo 16 bytes it was verified at)."""
+        from forgepack import familyeval
+
+        if card.family is not None:
+            return needs_of(card, self.settings.target, rec.params) if familyeval.element_aligned(rec.verdict) else None
+        return needs_of(card, self.settings.target, rec.params) if card.kind == "op" else None
 
 
 def call_result(cand: CandidateRecord) -> CallResult:
