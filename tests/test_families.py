@@ -248,4 +248,5 @@ def test_a_family_card_draws_from_the_value_range_of_all_its_members():
     stats = card.tensor_inputs()[0].stats
     assert (stats.min, stats.max) == (0, 119)
     values = torch.cat([(torch.arange(b * n) % h).double() for b, n, h in ((1, 9, 200), (2, 17, 300), (4, 30, 1000))])
-    assert stats.mean == pytest.approx(float(values.mean())) and stats.std == pytest.approx(float(values.std()), rel=0.02)
+    assert stats.mean == pytest.approx(float(values.mean()))
+    assert stats.std == pytest.approx(float(values.std()), rel=0.02)
