@@ -234,7 +234,9 @@ def _failed(verdict: Verdict, values: dict, member: Card, index: int, total: int
 
 
 def _folded(card: Card, verdicts: list[tuple[dict, Verdict]], captured: list[dict], margin: float,
-            bench: bool, skipped: list[dict], shifted: dict) -> Verdict:
+            bench: bool, skipped: list[dict], shifted: dict | None = None) -> Verdict:
+    """One verdict for the family from its points' verdicts. `shifted` is `_element_aligned`'s answer; None
+    (not checked) reads as not element-aligned, so the guard keeps the verified offsets."""
     first = verdicts[0][1]
     base = dict(source_hash=first.source_hash, binary=first.binary, compile_s=first.compile_s,
                 verify_s=sum(v.verify_s for _, v in verdicts), bench_s=sum(v.bench_s for _, v in verdicts))
