@@ -80,27 +80,32 @@ def test_generate_capture_folds_into_families_spanning_the_envelope(generate_cap
             assert [None if t is None else t.numel() for t in inputs] == spans
 
 
-def test_fusion_chains_fold_into_families_over_the_capture_points():
-    """Chains come from one shape's dataflow: an envelope build finds them at each capture point, then
-    folds the same chain at different sizes into a family (`families.fold`). RMSNorm and the gated
-    activation become one family each, over decode steps and prefills alike (batch x tokens), a decode
-    step's rotary one over the batch. A chain no template can serve as a family stays exact, one card per
-    decode batch (a prefill's would serve only its own prompt length and is left out), its calls summed
-    over the points that share it."""
+def _envelope_fusion():
+    """(recipe, loaded model, per-point captures, fusion result) of a tiny generate envelope."""
     r = _recipe(phase="generate", batch={"min": 1, "max": 3}, seq_len={"min": 4, "max": 16}, new_tokens=3)
     per_point: list = []
     with models.quiet_transformers():
         lm = models.load(r)
         profile.capture_envelope(lm, lambda *_: None, per_point)
         result = fusion.build_points(lm.model, per_point, lm.device, None, [])
+    return r, lm, per_point, result
+
+
+def test_fusion_chains_fold_into_families_over_the_capture_points():
+    """Chains come from one shape's dataflow: an envelope build finds them at each capture point, then
+    folds the same chain at different sizes into a family (`families.fold`). RMSNorm, the gated
+    activation, the rotary embedding and the rotary tables become one family each, over decode steps and
+    prefills alike (batch x tokens), their calls every forward's."""
+    r, lm, per_point, result = _envelope_fusion()
     assert len(per_point) == len(lm.points) and not result.dropped
     hidden = lm.model.config.hidden_size
     layers = lm.model.config.num_hidden_layers
     batches = sorted({dict(p.sizes)["batch"] for p in lm.points})
     prompts = sorted({dict(p.sizes)["seq_len"] for p in lm.points})
+    spans = [(min(batches), max(batches)), (1, max(prompts))]
     (norm,) = [c for c in result.cards if c.fusion.pattern == "rmsnorm"]
     assert norm.family is not None
-    assert [(d.min, d.max) for d in norm.family.dims] == [(min(batches), max(batches)), (1, max(prompts))]
+    assert [(d.min, d.max) for d in norm.family.dims] == spans
     assert norm.family.inputs[0].shape == ("d0", "d1", hidden)
     # every norm of every forward of every point: the prefill and each decode step
     assert norm.calls == len(lm.points) * (2 * layers + 1) * r.workload.new_tokens
@@ -108,21 +113,39 @@ def test_fusion_chains_fold_into_families_over_the_capture_points():
     assert len(points) == len(norm.family.point_calls) == len({(p[0][1], p[1][1]) for p in points})
     (act,) = [c for c in result.cards if c.fusion.pattern == "gated_act"]
     assert act.family is not None and act.family.inputs[0].shape[-1] == lm.model.config.intermediate_size
-    # a decode step's rotary folds over the batch (the indexed program runs the batch-1 member per batch
-    # index); a prefill's varies its tokens too, which that program cannot: its exact cards carry the
-    # prompt length and are left out
+    # the rotary and its tables vary the tokens, an inner axis: fused.indexed reads them at run time
+    (rotary,) = [c for c in result.cards if c.fusion.pattern == "rotary"]
+    assert [(d.min, d.max) for d in rotary.family.dims] == spans
+    assert rotary.calls == len(lm.points) * layers * r.workload.new_tokens
+    (tables,) = [c for c in result.cards if c.fusion.pattern == "chain"]
+    assert [(d.min, d.max) for d in tables.family.dims] == spans
+    assert tables.calls == len(lm.points) * r.workload.new_tokens  # one per forward
+    assert all(result.samples[c.id] for c in result.cards)
+
+
+def test_a_chain_no_template_serves_as_a_family_keeps_its_decode_steps_and_leaves_prefills_out(monkeypatch):
+    """Where no template renders a family size-generic (here the indexed render's inner-axis path turned
+    off), the decode steps' members may still fold into one that is (the rotary over the batch, the
+    batch-1 member's kernel per batch index); else each stays exact, one card per decode batch (a
+    prefill's would serve only its own prompt length and is left out), its calls summed over the points
+    that share it."""
+    from forgepack.templates import fused
+
+    monkeypatch.setattr(fused, "_sized", lambda card: "the inner-axis render is off in this test")
+    r, lm, _, result = _envelope_fusion()
+    layers = lm.model.config.num_hidden_layers
+    batches = sorted({dict(p.sizes)["batch"] for p in lm.points})
     (rotary,) = [c for c in result.cards if c.fusion.pattern == "rotary"]
     assert [(d.min, d.max) for d in rotary.family.dims] == [(min(batches), max(batches))]
     assert rotary.tensor_inputs()[0].shape[2] == 1
     assert rotary.calls == len(lm.points) * layers * (r.workload.new_tokens - 1)
-    # the rotary tables' chain reads a [head_dim / 2] input with no batch axis: no family, exact per batch
+    # the rotary tables' chain reads a [head_dim / 2] input with no batch axis: exact per batch
     tables = [c for c in result.cards if c.fusion.pattern == "chain"]
     assert tables and all(c.family is None and c.tensor_inputs()[0].shape[1] == 1 for c in tables)
     assert sorted(c.tensor_inputs()[0].shape[0] for c in tables) == batches
     shared = next(c for c in tables if c.tensor_inputs()[0].shape[0] == 1)  # batch 1: several prompt lengths
     points_at_1 = sum(1 for p in lm.points if dict(p.sizes)["batch"] == 1)
     assert points_at_1 > 1 and shared.calls == points_at_1 * (r.workload.new_tokens - 1)  # one per decode step
-    assert all(result.samples[c.id] for c in result.cards)
 
 
 def test_family_profile_is_weighted_over_the_envelope(generate_capture, monkeypatch):

@@ -118,3 +118,6 @@ def test_generate_envelope_pack_serves_90_percent_of_its_family_ops_calls(tmp_pa
     assert sum(d["errors"] for d in per_op.values()) == 0
     hits, calls = sum(d["hits"] for d in per_op.values()), sum(d["calls"] for d in per_op.values())
     assert hits >= 0.9 * calls, {op: f"{d['hits']}/{d['calls']}" for op, d in per_op.items()}
+    # the fused rotary serves prefills too (batch and tokens read at run time), not the decode steps alone
+    rotary = per_op["fusion.rotary.default"]
+    assert rotary["calls"] and rotary["hits"] == rotary["calls"], rotary

@@ -56,6 +56,13 @@ def _family(cards, pattern: str):
     return next(c for c in cards if c.fusion.pattern == pattern and c.family is not None)
 
 
+def _decode_rotary(exact):
+    """The decode steps' rotary folded alone: a family of the batch axis only (one token each)."""
+    steps = [c for c in exact if c.fusion.pattern == "rotary" and c.tensor_inputs()[0].shape[2] == 1]
+    (card,) = [c for c in families.fold(steps) if c.family is not None]
+    return card
+
+
 @pytest.mark.parametrize("pattern", ["rmsnorm", "gated_act"])
 def test_members_at_the_captured_points_are_the_captured_cards(envelope, pattern):
     """A member is laid out by replaying the chain on the meta device: at every captured point it is the
@@ -88,14 +95,16 @@ def test_a_chain_holding_a_size_in_its_values_does_not_fold(envelope):
     assert all(c.family is None for c in families.fold([a, other]))
 
 
-@pytest.mark.parametrize("pattern,template", [("rmsnorm", "fused.rows"), ("gated_act", "fused.pointwise")])
+@pytest.mark.parametrize("pattern,template", [("rmsnorm", "fused.rows"), ("gated_act", "fused.pointwise"),
+                                              ("rotary", "fused.indexed")])
 def test_family_fused_kernels_verify_at_every_check_point(envelope, evaluator, pattern, template):
     _, cards, _ = envelope
     card = _family(cards, pattern)
     t = by_name(template)
-    assert [x.name for x in templates_for(card, "cpu")] == [template]
+    # the first template a search tries (fused.indexed computes an elementwise chain too, with scalar loads)
+    assert templates_for(card, "cpu")[0].name == template
     src = t.render(card, "cpu", t.default(card, "cpu"))
-    assert "fp_geom" in src  # the rows are read at run time
+    assert "fp_geom" in src  # the sizes are read at run time
     verdict = familyeval.evaluate(evaluator, card, src, bench=False)
     assert verdict.accepted, verdict.reason
     checked = verdict.diagnostics["family"]["checked"]
@@ -114,7 +123,8 @@ def test_a_bf16_decode_rotary_folds_though_a_size_1_axis_stride_differs_from_its
         profile.capture_envelope(lm, lambda *_: None, per_point)
         cards = fusion.build_points(lm.model, per_point, lm.device, None, []).cards
     (rotary,) = [c for c in cards if c.fusion.pattern == "rotary"]
-    assert [(d.min, d.max) for d in rotary.family.dims] == [(1, 3)] and rotary.args[0].tensor.dtype == "bfloat16"
+    assert [(d.min, d.max) for d in rotary.family.dims] == [(1, 3), (1, 16)]
+    assert rotary.args[0].tensor.dtype == "bfloat16"
 
 
 def test_a_fused_family_covers_the_operator_families_inside_it_at_every_point():
@@ -139,24 +149,73 @@ def test_a_fused_family_covers_the_operator_families_inside_it_at_every_point():
 
 def test_a_decode_rotary_family_runs_the_batch_1_kernel_per_batch_index(envelope, evaluator):
     """A decode step's rotary varies only the batch, the outermost axis of every tensor: `fused.indexed`
-    renders the batch-1 member's index math and moves each pointer by its tensor's batch stride. With the
-    prefills' rotary it also varies the tokens, an inner axis, and is refused; so is the rotary tables'
-    chain, whose inverse frequencies have no batch axis."""
-    _, cards, exact = envelope
+    renders the batch-1 member's index math (its sizes and strides constants) and moves each pointer by
+    its tensor's batch stride."""
+    _, _, exact = envelope
     t = by_name("fused.indexed")
-    (card,) = [c for c in cards if c.fusion.pattern == "rotary"]
-    assert card.family is not None and card.tensor_inputs()[0].shape[2] == 1
+    card = _decode_rotary(exact)
+    assert [d.name for d in card.family.dims] == ["d0"] and card.tensor_inputs()[0].shape[2] == 1
     src = t.render(card, "cpu", t.default(card, "cpu"))
-    assert "bt < nb_" in src
+    assert "bt < nb_" in src and "p.n_d0" not in src
     verdict = familyeval.evaluate(evaluator, card, src, bench=False)
     assert verdict.accepted, verdict.reason
-    # every point's rotary folds into one family over batch and tokens: refused, and the build folds the
-    # decode steps' alone
-    spanning = [c for c in families.fold(c for c in exact if c.fusion.pattern == "rotary") if c.family is not None]
-    assert spanning and len(spanning[0].family.dims) == 2 and "outermost" in t.supports(spanning[0], "cpu")
-    tables = [c for c in families.fold(c for c in exact if c.fusion.pattern == "chain") if c.family is not None]
-    assert tables and "outermost" in t.supports(tables[0], "cpu")
-    assert all(c.family is None for c in cards if c.fusion.pattern == "chain")
+
+
+@pytest.mark.parametrize("pattern", ["rotary", "chain"])
+def test_a_prefill_rotary_family_reads_batch_and_tokens_at_run_time(envelope, evaluator, pattern):
+    """Every point's rotary (and its cos/sin tables' chain) folds into one family over batch and tokens,
+    an inner axis: `fused.indexed` knows each chain value's sizes per axis as fixed or one dim's (the
+    chain replayed at three points), reads the dims and every stride from the descriptors, and keeps as
+    constants only what its index math needs (rotate_half's slices and cat along the fixed head dim). It
+    is verified at every check point of the range."""
+    _, cards, _ = envelope
+    card = _family(cards, pattern)
+    assert [d.name for d in card.family.dims] == ["d0", "d1"]
+    t = by_name("fused.indexed")
+    src = t.render(card, "cpu", t.default(card, "cpu"))
+    assert "p.n_d1" in src and "bt < nb_" not in src
+    verdict = familyeval.evaluate(evaluator, card, src, bench=False)
+    assert verdict.accepted, verdict.reason
+    assert {d.name: d.max for d in card.family.dims} in verdict.diagnostics["family"]["checked"]
+
+
+@pytest.mark.parametrize("cheat", ["captured tokens", "captured strides"])
+def test_an_inner_axis_rotary_right_only_at_one_capture_point_is_rejected(envelope, evaluator, cheat):
+    """The size-generic rotary with one run-time value baked in as the representative member's: the
+    token count it walks, or q's batch stride (which is heads x tokens x head dim). Each is right at the
+    member it was taken from and wrong elsewhere in the range, so family verification rejects it."""
+    _, cards, _ = envelope
+    card = _family(cards, "rotary")
+    t = by_name("fused.indexed")
+    src = t.render(card, "cpu", t.default(card, "cpu"))
+    values = dict(card.family.points[0])
+    rep = families.member(card, values)
+    if cheat == "captured tokens":
+        line = "p.n_d1 = (fp_idx)n_d1_;"
+        bad = src.replace(line, f"p.n_d1 = {values['d1']}u;")
+    else:
+        line = "p.s0_0 = (fp_idx)call->inputs[0].strides[0];"
+        bad = src.replace(line, f"p.s0_0 = {rep.tensor_inputs()[0].stride[0]}u;")
+    assert line in src and bad != src
+    assert evaluator.evaluate(rep, bad, bench=False).accepted  # right where it was taken from
+    verdict = familyeval.evaluate(evaluator, card, bad, bench=False)
+    assert not verdict.accepted and verdict.category == "mismatch", verdict.reason
+
+
+def test_the_indexed_render_refuses_a_family_that_varies_an_axis_its_index_math_fixes(envelope):
+    """rotate_half's slices and cat split the head dim at constants: were that axis a family dim, the
+    split point would move with the sizes. The size-generic emitter refuses such a chain, and says why
+    (here the rotary's sizes with the head dim made a dim)."""
+    from forgepack.templates import fused
+
+    _, cards, _ = envelope
+    card = _family(cards, "rotary")
+    sized = fused._sized(card)
+    head = card.outputs[0].shape[-1]
+    moved = {ref: (*shape[:-1], "d1") if shape and shape[-1] == head else shape for ref, shape in sized.shapes.items()}
+    em = fused._FamilyEmitter(card, fused.entries(card), "cpu", dataclasses.replace(sized, shapes=moved))
+    with pytest.raises(fused.Refused, match="along a varying axis"):
+        em.value(card.fusion.outputs[0], [f"c{d}_" for d in range(4)], [], {})
 
 
 def test_a_row_kernel_right_only_at_the_captured_rows_is_rejected(envelope, evaluator):
@@ -240,7 +299,7 @@ def test_family_fused_variants_guard_in_cpp_by_binding_dims(envelope):
     alignment need) and allocates its outputs at the bound sizes; exact variants keep their exact specs."""
     _, cards, _ = envelope
     fam = _family(cards, "rmsnorm")
-    exact = next(c for c in cards if c.family is None)
+    exact = next(c for c in envelope[2] if c.fusion.pattern == "rmsnorm")
     t = by_name("fused.rows")
     code = fusedgen.generate([fusedgen.FusedVariant(fam, "kernels/a.so", t.needs(fam, "cpu", {})),
                               fusedgen.FusedVariant(exact, "kernels/b.so")], "forgepack_t", "cpu")
@@ -256,20 +315,22 @@ def _cuda_params(t, card) -> list[dict]:
     return [first, {**first, "vec": 1}] if "vec" in first else [first]
 
 
-def _cuda_family(cards, pattern: str):
+def _cuda_family(envelope, pattern: str):
+    """The envelope's family of this pattern on cuda; "decode rotary": the decode steps' alone (batch only)."""
     from forgepack.templates import on_device
 
-    return on_device(_family(cards, pattern), "cuda")
+    _, cards, exact = envelope
+    return on_device(_decode_rotary(exact) if pattern == "decode rotary" else _family(cards, pattern), "cuda")
 
 
-CUDA_CASES = [("rmsnorm", "fused.rows"), ("gated_act", "fused.pointwise"), ("rotary", "fused.indexed")]
+CUDA_CASES = [("rmsnorm", "fused.rows"), ("gated_act", "fused.pointwise"), ("rotary", "fused.indexed"),
+              ("chain", "fused.indexed"), ("decode rotary", "fused.indexed")]
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
 @pytest.mark.parametrize("pattern,template", CUDA_CASES)
 def test_family_fused_cuda_kernels_compile_for_sm90(envelope, pattern, template):
-    _, cards, _ = envelope
-    card = _cuda_family(cards, pattern)
+    card = _cuda_family(envelope, pattern)
     t = by_name(template)
     assert t in templates_for(card, "cuda")
     for params in _cuda_params(t, card):
@@ -282,8 +343,7 @@ def test_family_fused_cuda_kernels_compile_for_sm90(envelope, pattern, template)
 @pytest.mark.gpu
 @pytest.mark.parametrize("pattern,template", CUDA_CASES)
 def test_family_fused_cuda_kernels_verify_at_every_check_point_on_the_gpu(envelope, pattern, template):
-    _, cards, _ = envelope
-    card = _cuda_family(cards, pattern)
+    card = _cuda_family(envelope, pattern)
     t = by_name(template)
     with Evaluator("cuda", timeout_s=120) as ev:
         for params in _cuda_params(t, card):
@@ -294,8 +354,7 @@ def test_family_fused_cuda_kernels_verify_at_every_check_point_on_the_gpu(envelo
 def test_a_batched_rotary_kernel_that_serves_batch_0_only_is_rejected(envelope, evaluator):
     """The batched indexed kernel with its batch loop cut to the first batch index: the batch-1 member
     passes today's checks, the family's verification finds the other batches' outputs unwritten."""
-    _, cards, _ = envelope
-    (card,) = [c for c in cards if c.fusion.pattern == "rotary"]
+    card = _decode_rotary(envelope[2])
     t = by_name("fused.indexed")
     src = t.render(card, "cpu", t.default(card, "cpu"))
     assert src.count("bt < nb_") == 1

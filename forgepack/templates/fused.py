@@ -17,7 +17,9 @@ card's inputs or to earlier calls. Three programs cover the chains the reference
 Family fusion cards (the same chain at several sizes, `forgepack.families`): `fused.rows` renders the
 row program with the row length fixed and the rows read at run time; `fused.pointwise` the size-generic
 pointwise job where the chain reads its inputs directly; `fused.indexed` a family of the outermost
-axis alone (a decode step's rotary at any batch): the batch-1 member's kernel once per batch index.
+axis alone (a decode step's rotary at any batch) as the batch-1 member's kernel once per batch index,
+and any other family (a prefill's rotary over batch and tokens) with the dims and strides read at run
+time (`IndexedFusion`).
 
 Numerics: each op computes in float as aten's opmath does and rounds to its own output dtype, so the
 kernel rounds exactly where the chain rounds (HF Llama casts back to the input dtype before the weight
@@ -537,8 +539,18 @@ class RowsFusion(FusedTemplate, RowTemplate):  # the row engine's axes, defaults
 # --- fused.indexed -------------------------------------------------------------------------------------
 
 
+def _fixed(n: int | str, what: str) -> int:
+    """A size the index math needs as a constant: a family dim there is refused."""
+    if not isinstance(n, int):
+        raise Refused(f"{what} along a varying axis")
+    return n
+
+
 class _Emitter:
-    """Statements computing a chain value at an index, through views and cats (index math)."""
+    """Statements computing a chain value at an index, through views and cats (index math).
+
+    Sizes come from `shape` (an exact card's: ints; `_FamilyEmitter`'s: an int or a dim name per axis)
+    and an input's element offset from `load_offset`, so the same index math serves both."""
 
     def __init__(self, card: Card, chain: list[Entry], target: str, itype: str):
         self.card, self.chain, self.target, self.itype = card, chain, target, itype
@@ -548,6 +560,14 @@ class _Emitter:
         self.count += 1
         return f"v{self.count}_"
 
+    def shape(self, ref) -> tuple:
+        return meta_of(self.card, self.chain, ref).shape
+
+    def load_offset(self, slot: int, idx: list[str]) -> str:
+        meta = self.card.tensor_inputs()[slot]
+        return " + ".join(f"({i}) * {s}u" for i, s, n in zip(idx, meta.stride, meta.shape, strict=True)
+                          if n != 1 and s != 0) or "0u"
+
     def value(self, ref: list, idx: list[str], out: list[str], memo: dict) -> tuple[str, str]:
         """(float variable holding the value of `ref` at index `idx`, dtype); statements go to `out`."""
         key = (tuple(ref), tuple(idx))
@@ -555,10 +575,8 @@ class _Emitter:
         if key in memo:
             return memo[key], meta.dtype
         if ref[0] == "in":
-            off = " + ".join(f"({i}) * {s}u" for i, s, n in zip(idx, meta.stride, meta.shape, strict=True)
-                             if n != 1 and s != 0) or "0u"
             name = self.fresh()
-            out.append(f"const float {name} = fp_ld(p.in{ref[1]}[{off}]);")
+            out.append(f"const float {name} = fp_ld(p.in{ref[1]}[{self.load_offset(ref[1], idx)}]);")
             memo[key] = name
             return name, meta.dtype
         e = self.chain[ref[1]]
@@ -566,17 +584,15 @@ class _Emitter:
             raise Refused(f"output {ref[2]} of {e.op} is used")
         if e.op in _VIEWS:
             (_, src), = e.tensor_args()
-            src_meta = meta_of(self.card, self.chain, src)
-            name, dt = self.value(src, self._view_index(e, meta, src_meta, idx), out, memo)
+            name, dt = self.value(src, self._view_index(e, self.shape(ref), self.shape(src), idx), out, memo)
         elif e.op == "cat":
-            name = self._cat(e, meta, idx, out, memo)
+            name = self._cat(e, self.shape(ref), idx, out, memo)
             dt = meta.dtype
         else:
             operands = {}
             for arg_name, src in e.tensor_args():
-                src_meta = meta_of(self.card, self.chain, src)
-                operands[arg_name] = self.value(src, self._broadcast_index(e, src_meta, meta, arg_name, idx), out,
-                                                memo)
+                operands[arg_name] = self.value(src, self._broadcast_index(e, self.shape(src), self.shape(ref),
+                                                                           arg_name, idx), out, memo)
             name = self.fresh()
             out.append(f"const float {name} = {elementwise_expr(e, operands, self.target)};")
             dt = meta.dtype
@@ -584,27 +600,27 @@ class _Emitter:
         return name, dt
 
     @staticmethod
-    def _broadcast_index(e: Entry, src: TensorMeta, out: TensorMeta, arg_name: str, idx: list[str]) -> list[str]:
+    def _broadcast_index(e: Entry, src: tuple, out: tuple, arg_name: str, idx: list[str]) -> list[str]:
         if e.op in _BN and arg_name != "input":
-            if len(src.shape) != 1 or len(out.shape) < 2:
+            if len(src) != 1 or len(out) < 2:
                 raise Refused("batch norm parameters are not [C]")
             return [idx[1]]
-        lead = len(out.shape) - len(src.shape)
+        lead = len(out) - len(src)
         if lead < 0:
             raise Refused(f"{e.op} operand of higher rank than its output")
-        return ["0" if n == 1 else idx[lead + d] for d, n in enumerate(src.shape)]
+        return ["0" if n == 1 else idx[lead + d] for d, n in enumerate(src)]
 
-    def _view_index(self, e: Entry, out: TensorMeta, src: TensorMeta, idx: list[str]) -> list[str]:
-        nd_in, nd_out = len(src.shape), len(out.shape)
+    def _view_index(self, e: Entry, out: tuple, src: tuple, idx: list[str]) -> list[str]:
+        nd_in, nd_out = len(src), len(out)
         op = e.op
-        if out.shape == src.shape and op not in ("transpose", "permute", "t", "slice", "select"):
+        if out == src and op not in ("transpose", "permute", "t", "slice", "select"):
             return idx
         if op == "unsqueeze":
             d = e.value("dim") % nd_out
             return idx[:d] + idx[d + 1:]
         if op == "slice":
             d = e.value("dim", 0) % nd_in
-            size, step = src.shape[d], e.value("step", 1)
+            size, step = _fixed(src[d], "a slice"), e.value("step", 1)
             start = e.value("start")
             start = 0 if start is None else start
             start = max(0, min(size, start + size if start < 0 else start))
@@ -613,11 +629,11 @@ class _Emitter:
             return [f"({i} + {start}u)" if k == d and start else i for k, i in enumerate(idx)]
         if op == "select":
             d = e.value("dim") % nd_in
-            index = e.value("index") % src.shape[d]
+            index = e.value("index") % _fixed(src[d], "a select")
             return [*idx[:d], f"{index}u", *idx[d:]]
         if op == "expand":
             lead = nd_out - nd_in
-            return ["0" if n == 1 else idx[lead + k] for k, n in enumerate(src.shape)]
+            return ["0" if n == 1 else idx[lead + k] for k, n in enumerate(src)]
         if op in ("transpose", "t"):
             d0, d1 = (0, 1) if op == "t" else (e.value("dim0") % nd_in, e.value("dim1") % nd_in)
             out_idx = list(idx)
@@ -630,7 +646,7 @@ class _Emitter:
                 src_idx[d] = idx[k]
             return src_idx
         if op in ("view", "_unsafe_view", "reshape", "_reshape_alias", "flatten", "squeeze"):
-            return self._relinearise(out.shape, src.shape, idx)
+            return self._relinearise(out, src, idx)
         if op in ("alias", "detach"):
             return idx
         raise Refused(f"view {op}")
@@ -645,35 +661,35 @@ class _Emitter:
         for i, n in reversed(list(zip(idx, out_shape, strict=True))):
             if n != 1:
                 terms.append(f"({i}) * {stride}u" if stride != 1 else f"({i})")
-            stride *= n
+            stride *= _fixed(n, "a reshape")
         lin = " + ".join(reversed(terms)) or "0u"
         coords, rest = [], f"({self.itype})({lin})"
         for n in reversed(in_shape):
-            coords.append("0" if n == 1 else f"(({rest}) % {n}u)")
+            coords.append("0" if n == 1 else f"(({rest}) % {_fixed(n, 'a reshape')}u)")
             rest = f"(({rest}) / {n}u)"
         return list(reversed(coords))
 
-    def _cat(self, e: Entry, meta: TensorMeta, idx: list[str], out: list[str], memo: dict) -> str:
+    def _cat(self, e: Entry, shape: tuple, idx: list[str], out: list[str], memo: dict) -> str:
         refs = e.args["tensors"].refs
-        nd = len(meta.shape)
+        nd = len(shape)
         d = e.value("dim", 0) % nd
         name = self.fresh()
         out.append(f"float {name};")
         start, branches = 0, []
         for ref in refs:
-            m = meta_of(self.card, self.chain, ref)
-            if m.numel == 0:
+            part = self.shape(ref)
+            if 0 in part:
                 continue
-            if len(m.shape) != nd:
+            if len(part) != nd:
                 raise Refused("cat of inputs of another rank")
             sub = list(idx)
             sub[d] = f"({idx[d]} - {start}u)" if start else idx[d]
             body: list[str] = []
             value, _ = self.value(ref, sub, body, dict(memo))  # names made inside a branch stay there
-            cond = f"{idx[d]} < {start + m.shape[d]}u"
+            cond = f"{idx[d]} < {start + _fixed(part[d], 'a cat')}u"
             branches.append((cond, [*body, f"{name} = {value};"]))
-            start += m.shape[d]
-        if start != meta.shape[d]:
+            start += part[d]
+        if start != _fixed(shape[d], "a cat"):
             raise Refused("cat inputs do not fill the output")
         for k, (cond, body) in enumerate(branches):
             if k == 0:
@@ -687,6 +703,131 @@ class _Emitter:
         return name
 
 
+def _bodies(card: Card, target: str, emitter, coords, store) -> list[tuple[TensorMeta, list[str]]]:
+    """Per output: its meta and the statements of `fp_out<j>`: `coords(j, meta)` (c<d>_ from e_), the
+    chain's value there (a fresh `emitter()` per output), the store at offset `store(j, meta)`."""
+    bodies = []
+    for j, (ref, meta) in enumerate(zip(card.fusion.outputs, card.outputs, strict=True)):
+        if meta.dtype not in COMPUTE_DTYPES:
+            raise Refused(f"output dtype {meta.dtype}")
+        stmts = list(coords(j, meta))
+        value, _ = emitter().value(ref, [f"c{d}_" for d in range(len(meta.shape))], stmts, {})
+        stmts.append(f"p.out{j}[{store(j, meta)}] = fp_st<{ctype(meta.dtype, target)}>({value});")
+        bodies.append((meta, stmts))
+    return bodies
+
+
+# --- fused.indexed over a family's dims: sizes and strides read at run time ------------------------------
+
+
+@dataclass(frozen=True)
+class _Sized:
+    """A family chain as the size-generic indexed render reads it: every chain value's sizes (per axis a
+    fixed int or a dim name), where each dim's run-time value is read (an input slot and axis), the
+    outputs' walking order (dims outermost first in memory, as at the family's largest member) and the
+    index type that member needs."""
+
+    shapes: dict[tuple, tuple]
+    binds: tuple[tuple[str, int, int], ...]  # (dim, input slot, axis)
+    orders: tuple[tuple[int, ...], ...]
+    itype: str
+
+
+def _probe_points(dims) -> list[dict[str, int]] | None:
+    """Three points of the family, the first with every dim at its largest, at which no two dims take the
+    same three values and no dim the same value thrice: an axis whose sizes at the three are one dim's
+    values is that dim's (a fixed axis keeps one size; a size no single dim gives matches none)."""
+    picks: dict[str, tuple[int, int, int]] = {}
+    for d in dims:
+        values = [v for v in (d.max, d.min, (d.min + d.max) // 2 | 1, d.max - 1, d.min + 1, *families._PRIMES)
+                  if d.min <= v <= d.max]
+        triples = [(d.max, b, c) for b in values for c in values if len({d.max, b, c}) > 1]
+        triple = next((t for t in triples if t not in picks.values()), None)
+        if triple is None:
+            return None
+        picks[d.name] = triple
+    return [{name: t[k] for name, t in picks.items()} for k in range(3)]
+
+
+def _axis_size(sizes: tuple[int, ...], points: list[dict[str, int]]) -> int | str | None:
+    """An axis's size as a family sees it: fixed (the same at every probe point), a dim's name (that dim's
+    values at every point), or None (no single dim: a product of dims, say)."""
+    if len(set(sizes)) == 1:
+        return sizes[0]
+    names = [name for name in points[0] if tuple(p[name] for p in points) == sizes]
+    return names[0] if len(names) == 1 else None
+
+
+def _sized(card: Card) -> _Sized | str:
+    """What the size-generic indexed render needs of a family card (`_Sized`), or why it cannot serve it."""
+    fam = card.family
+    if any(d.derived for d in fam.dims):
+        return "an indexed family binds every dim from an input (a derived dim is a cat's length)"
+    points = _probe_points(fam.dims)
+    if points is None:
+        return "the family's dims cannot be told apart at three points of their ranges"
+    try:
+        members = [families.member(card, values) for values in points]
+    except (RuntimeError, ValueError, TypeError, NotImplementedError) as err:  # the chain's meta replay
+        return f"the chain does not replay over the family: {err}"
+    shapes: dict[tuple, tuple] = {("in", i): (lay.shape if lay is not None else ())
+                                  for i, lay in enumerate(fam.inputs)}
+    for k, e in enumerate(card.chain):
+        for j in range(len(e.outs)):
+            axes = zip(*(m.chain[k].outs[j].shape for m in members), strict=True)
+            shape = tuple(_axis_size(sizes, points) for sizes in axes)
+            if None in shape:
+                return f"the chain's {e.op} has a size no single dim gives (a reshape across dims)"
+            shapes[("t", k, j)] = shape
+    for ref, layout in zip(card.fusion.outputs, fam.outputs, strict=True):
+        if shapes[tuple(ref)] != layout.shape:
+            return "the chain's outputs are not the family's"
+    binds = []
+    for d in fam.dims:
+        held = next(((i, a) for i, lay in enumerate(fam.inputs) if lay is not None
+                     for a, n in enumerate(lay.shape) if n == d.name), None)
+        if held is None:
+            return f"no input holds dim {d.name}"
+        binds.append((d.name, *held))
+    big = members[0]
+    spans = [o.numel for o in big.outputs] + [m.span() for m in big.tensor_inputs() if m is not None]
+    itype = "uint32_t" if max(spans) + (1 << 20) < (1 << 31) else "uint64_t"
+    orders = tuple(tuple(memory_order(o.shape, o.stride)) for o in big.outputs)
+    return _Sized(shapes, tuple(binds), orders, itype)
+
+
+class _FamilyEmitter(_Emitter):
+    """`_Emitter` over a family: sizes from `_Sized` (a dim's value is `p.n_<dim>`), an input's element
+    offset from its strides as the descriptors give them (`p.s<slot>_<axis>`)."""
+
+    def __init__(self, card: Card, chain: list[Entry], target: str, sized: _Sized):
+        super().__init__(card, chain, target, sized.itype)
+        self.sized = sized
+
+    def shape(self, ref) -> tuple:
+        return self.sized.shapes[tuple(ref)]
+
+    def load_offset(self, slot: int, idx: list[str]) -> str:
+        return " + ".join(f"({i}) * p.s{slot}_{a}" for a, (i, n) in enumerate(zip(idx, self.shape(("in", slot)),
+                                                                                   strict=True)) if n != 1) or "0u"
+
+
+def _family_coords(shape: tuple, order: tuple[int, ...], itype: str) -> list[str]:
+    """`_coords` with sizes read at run time where the family varies them (`p.n_<dim>`)."""
+    if not shape:
+        return []
+    lines = [f"{itype} r_ = e_;"]
+    for d in reversed(order[1:]):
+        n = shape[d]
+        if n == 1:
+            lines.append(f"const {itype} c{d}_ = 0;")
+            continue
+        size = f"{n}u" if isinstance(n, int) else f"p.n_{n}"
+        lines.append(f"const {itype} c{d}_ = r_ % {size}; r_ /= {size};")
+    lines.append(f"const {itype} c{order[0]}_ = r_;")
+    return lines
+
+
 class IndexedFusion(FusedTemplate):
     """Every output element evaluates the chain through index math (see the module docstring).
 
@@ -694,11 +835,37 @@ class IndexedFusion(FusedTemplate):
     the batch-1 member's kernel run once per batch index: each tensor's pointer moved by its own
     outermost stride, read at run time. Its other sizes and strides are the member's constants, so
     the chain's index math holds only if no chain value mixes that axis with another (checked at two
-    batch sizes); anything else about a family is refused."""
+    batch sizes).
+
+    Any other family (a prefill's rotary over batch and tokens) gets the size-generic render: every
+    chain value's sizes are known per axis as fixed or one dim's (`_sized`, from the chain replayed at
+    three points), the index math reads the dims' values and the inputs' and outputs' strides at run
+    time, and only what index math needs as a constant (a slice's, select's or cat's axis, a reshape)
+    must be fixed; a family that varies one of those is refused."""
 
     generic = True
 
     def family_plan(self, card, plan, target):
+        batch = self._batch_plan(card, target)
+        if isinstance(batch, FamilyPlan):
+            return batch
+        sized = _sized(card)
+        if isinstance(sized, str):
+            return sized
+        chain, outs = entries(card), card.family.outputs
+
+        def store(j: int, meta: TensorMeta) -> str:
+            return " + ".join(f"c{d}_ * p.o{j}_{d}" for d, n in enumerate(outs[j].shape) if n != 1) or "0u"
+
+        try:
+            bodies = _bodies(card, target, lambda: _FamilyEmitter(card, chain, target, sized),
+                             lambda j, meta: _family_coords(outs[j].shape, sized.orders[j], sized.itype), store)
+        except Refused as err:
+            return str(err)
+        return FamilyPlan({"itype": sized.itype, "bodies": bodies}, sized)
+
+    def _batch_plan(self, card, target):
+        """The batch-1 member's plan where the family varies the outermost axis alone (else a reason)."""
         fam = card.family
         if len(fam.dims) != 1 or fam.dims[0].derived:
             return "an indexed family varies only the outermost (batch) axis"
@@ -740,20 +907,13 @@ class IndexedFusion(FusedTemplate):
         outs = card.outputs
         biggest = max([o.numel for o in outs] + [m.span() for m in card.tensor_inputs() if m is not None])
         itype = "uint32_t" if biggest + (1 << 20) < (1 << 31) else "uint64_t"
-        bodies = []
-        for j, (ref, meta) in enumerate(zip(card.fusion.outputs, outs, strict=True)):
-            if meta.dtype not in COMPUTE_DTYPES:
-                raise Refused(f"output dtype {meta.dtype}")
-            em = _Emitter(card, chain, target, itype)
-            idx = [f"c{d}_" for d in range(len(meta.shape))]
-            stmts: list[str] = []
-            value, _ = em.value(ref, idx, stmts, {})
-            off = " + ".join(f"c{d}_ * {s}u" for d, (n, s) in enumerate(zip(meta.shape, meta.stride, strict=True))
-                             if n != 1) or "0u"
-            t = ctype(meta.dtype, target)
-            stmts.append(f"p.out{j}[{off}] = fp_st<{t}>({value});")
-            bodies.append((meta, stmts))
-        return {"itype": itype, "bodies": bodies}
+
+        def store(j: int, meta: TensorMeta) -> str:
+            return " + ".join(f"c{d}_ * {s}u" for d, (n, s) in enumerate(zip(meta.shape, meta.stride, strict=True))
+                              if n != 1) or "0u"
+
+        return {"itype": itype, "bodies": _bodies(card, target, lambda: _Emitter(card, chain, target, itype),
+                                                  lambda j, meta: _coords(meta, itype), store)}
 
     def axes(self, plan, target):
         return {} if target == "cpu" else {"block": [64, 128, 256, 512]}
@@ -775,7 +935,9 @@ class IndexedFusion(FusedTemplate):
 
     def family_emit(self, card, plan, target, params):
         """The batch-1 member's functions; each batch index moves every pointer by its tensor's outermost
-        stride (2-D grid on cuda: blockIdx.y is the batch index)."""
+        stride (2-D grid on cuda: blockIdx.y is the batch index). A family over other dims: `_sized_emit`."""
+        if isinstance(plan.info, _Sized):
+            return self._sized_emit(card, plan, target, params)
         one = plan.info
         code, inits, sizes = self._functions(one, plan.base, target, generic.helpers(1), batched=True)
         ins, outs = one.tensor_inputs(), one.outputs
@@ -800,6 +962,41 @@ class IndexedFusion(FusedTemplate):
                  f"fp_indexed<<<dim3({total}u, (unsigned)nb_), {block}, 0, stream>>>(p, s_);", launch_status(target)]
         return code + kernel + generic.entry(card, target, "\n  ".join(body))
 
+    def _sized_emit(self, card, plan, target, params):
+        """Every size the family varies and every stride from the descriptors: each dim bound from one input
+        (`_Sized.binds`) and checked on every other tensor; one launch, its blocks split between the
+        outputs by their run-time element counts."""
+        sized, fam, n_out = plan.info, card.family, len(card.outputs)
+        tensors = [(f"call->inputs[{i}]", f"s{i}", lay) for i, lay in enumerate(fam.inputs) if lay is not None]
+        tensors += [(f"call->outputs[{j}]", f"o{j}", lay) for j, lay in enumerate(fam.outputs)]
+        fields = [f"fp_idx n_{d.name};" for d in fam.dims]
+        fields += [f"fp_idx {pre}_{a};" for _, pre, lay in tensors for a, n in enumerate(lay.shape) if n != 1]
+        fields += [f"fp_idx t{j}; fp_idx nb{j};" for j in range(n_out)]
+        code, inits, _ = self._functions(card, plan.base, target, generic.helpers(1), extra_fields=tuple(fields))
+        body = ["fp_args p;", *inits]
+        body += [f"const int64_t n_{name}_ = call->inputs[{slot}].sizes[{axis}];" for name, slot, axis in sized.binds]
+        for var, pre, lay in tensors:
+            body += [f"if ({var}.sizes[{a}] != n_{n}_) return FP_ERR_UNSUPPORTED;"
+                     for a, n in enumerate(lay.shape) if isinstance(n, str)]
+            if sized.itype == "uint32_t":
+                body.append(f"if (!fp_fits32(&{var})) return FP_ERR_UNSUPPORTED;")
+            body += [f"p.{pre}_{a} = (fp_idx){var}.strides[{a}];" for a, n in enumerate(lay.shape) if n != 1]
+        body += [f"p.n_{d.name} = (fp_idx)n_{d.name}_;" for d in fam.dims]
+        body += [f"p.t{j} = (fp_idx)fp_numel(&call->outputs[{j}]);" for j in range(n_out)]
+        if target == "cpu":
+            body += [f"for (fp_idx e_ = 0; e_ < p.t{j}; ++e_) fp_out{j}(p, e_);" for j in range(n_out)]
+            return code + generic.entry(card, target, "\n  ".join([*body, launch_status(target)]))
+        block = params["block"]
+        body += [f"p.nb{j} = (p.t{j} + {block - 1}u) / {block}u;" for j in range(n_out)]
+        body += ["const int64_t blocks_ = " + " + ".join(f"(int64_t)p.nb{j}" for j in range(n_out)) + ";",
+                 "if (blocks_ == 0) return FP_OK;", "if (blocks_ > 2147483647LL) return FP_ERR_UNSUPPORTED;",
+                 f"fp_indexed<<<(unsigned)blocks_, {block}, 0, stream>>>(p);", launch_status(target)]
+        dispatch = [f"  if (b < p.nb{j}) {{ const fp_idx e_ = b * {block}u + threadIdx.x; "
+                    f"if (e_ < p.t{j}) fp_out{j}(p, e_); return; }} b -= p.nb{j};" for j in range(n_out)]
+        kernel = (f"\n__global__ void __launch_bounds__({block}) fp_indexed(const fp_args p) {{\n"
+                  "  fp_idx b = blockIdx.x;\n" + "\n".join(dispatch) + "\n}\n")
+        return code + kernel + generic.entry(card, target, "\n  ".join(body))
+
     @staticmethod
     def _kernel(plan, sizes: list[int], block: int, batched: bool = False) -> tuple[str, int]:
         """The cuda kernel, its blocks split between the outputs; `batched`: blockIdx.y is a batch index,
@@ -817,11 +1014,11 @@ class IndexedFusion(FusedTemplate):
         return (f"\n__global__ void __launch_bounds__({block}) fp_indexed({params}) {{\n{move}"
                 f"  {itype} b = blockIdx.x;\n" + "\n".join(dispatch) + "\n}\n"), total
 
-    def _functions(self, card, plan, target, helpers: str = "",
-                   batched: bool = False) -> tuple[str, list[str], list[int]]:
-        """The prelude (then `helpers`), `fp_args`, one `fp_out<j>` per output (`batched` on cuda: and
-        `fp_move`, which moves every pointer to a batch index), the host initialisers, each output's
-        element count."""
+    def _functions(self, card, plan, target, helpers: str = "", batched: bool = False,
+                   extra_fields: tuple[str, ...] = ()) -> tuple[str, list[str], list[int]]:
+        """The prelude (then `helpers`), `fp_args` (then `extra_fields`), one `fp_out<j>` per output
+        (`batched` on cuda: and `fp_move`, which moves every pointer to a batch index), the host
+        initialisers, each output's element count."""
         itype = plan["itype"]
         ins, outs = card.tensor_inputs(), card.outputs
         fields, inits = [], []
@@ -834,11 +1031,11 @@ class IndexedFusion(FusedTemplate):
             t = ctype(m.dtype, target)
             fields.append(f"{t}*{restrict} out{j};")
             inits.append(f"p.out{j} = ({t}*)call->outputs[{j}].data;")
+        fields += extra_fields
         head = prelude(target) + helpers + f"\ntypedef {itype} fp_idx;\nstruct fp_args {{ {' '.join(fields)} }};\n"
         funcs = []
-        for j, (meta, stmts) in enumerate(plan["bodies"]):
-            coords = _coords(meta, itype)
-            body = "\n  ".join(coords + stmts)
+        for j, (_, stmts) in enumerate(plan["bodies"]):
+            body = "\n  ".join(stmts)
             funcs.append(f"\nFP_FN void fp_out{j}(const fp_args& p, {itype} e_) {{\n  {body}\n}}\n")
         names = [f"in{i}" for i in range(len(ins))] + [f"out{j}" for j in range(len(outs))]
         moves = " ".join(f"p.{n} += bt * st.s[{k}];" for k, n in enumerate(names))

@@ -79,6 +79,16 @@ __attribute__((unused)) static inline int64_t fp_numel(const fp_tensor* t) {
   return numel;
 }
 
+// Every element of `t` lies within 32-bit index math of its data pointer, and so does its element count.
+__attribute__((unused)) static inline bool fp_fits32(const fp_tensor* t) {
+  int64_t span = 0;
+  for (int d = 0; d < t->ndim; ++d) {
+    if (t->sizes[d] == 0) return true;
+    span += (t->sizes[d] - 1) * t->strides[d];
+  }
+  return span < (1LL << 31) && fp_numel(t) < (1LL << 31);
+}
+
 __attribute__((unused)) static inline void fp_geom_init(fp_geom* g, const fp_tensor* shape_of) {
   g->nd = shape_of->ndim;
   for (int d = 0; d < g->nd; ++d) g->n[d] = shape_of->sizes[d];
