@@ -9,12 +9,13 @@
 #   bash tools/gpu_check.sh 0:search=llama-1b-prefill,packs=gpt2 1:search=resnet-50   # per-lane recipes
 #   PACK_BUDGET=48 PACK_TIME=280 bash tools/gpu_check.sh 0:packs=llama-1b-prefill+gpt2         # next session: call 1
 #   PACK_BUDGET=48 PACK_TIME=280 bash tools/gpu_check.sh 0:packs=resnet-50+qwen2-0.5b-prefill  # and call 2
-#   # issue 20 on the H200, three calls: the served share per model, then the speed targets
-#   ENVELOPE_MARGIN=-0.99 ENVELOPE_STRATEGY=breadth ENVELOPE_BUDGET=64 ENVELOPE_LIMIT=300 DEADLINE=560 \
-#     bash tools/gpu_check.sh envelope=llama-1b-decode        # and again with envelope=qwen2-0.5b-prefill
-#   BUILD_LIMIT=90 PACK_BUDGET=12 ENVELOPE_LIMIT=180 ENVELOPE_GATE=1 ENVELOPE_TRACE=0 SHAPES_TIME=170 \
-#     SHAPES_ARGS="--batches 1,8 --prompts 16,2048 --caches 16,2048 --rounds 7" \
-#     bash tools/gpu_check.sh dispatch build=llama-1b-decode envelope=llama-1b-decode shapes=llama-1b-decode
+#   # issue 20, what is left (session 16): the Qwen2 envelope pack within 3% of the exact pack at its prefill
+#   # shape, now that the rotary folds over batch and tokens; one call (about 560 s), then the Llama twin
+#   ENVELOPE_MARGIN=-0.99 ENVELOPE_STRATEGY=breadth ENVELOPE_BUDGET=80 ENVELOPE_LIMIT=220 ENVELOPE_BUILD_TIME=290 \
+#     ENVELOPE_TRACE=0 BUILD_LIMIT=50 PACK_BUDGET=10 BUILD_TIME=100 SHAPES_TIME=110 OVERHEAD_TIME=60 \
+#     SHAPES_ARGS="--batches 1,8 --prompts 16,512,2048 --caches 16,2048 --rounds 10" OVERHEAD_ARGS="--shapes base" \
+#     DEADLINE=585 bash tools/gpu_check.sh build=qwen2-0.5b-prefill envelope=qwen2-0.5b-prefill \
+#     shapes=qwen2-0.5b-prefill overhead=qwen2-0.5b-prefill
 #
 # Set FORGEPACK_COMMIT to the literal commit sent: on the device machine `git rev-parse HEAD` has
 # answered an older commit than the tree it was given (session 6).
