@@ -505,7 +505,8 @@ def calls_by_output(cards: Iterable[Card]) -> dict[tuple, list[tuple[Card, int]]
 _PRIMES = (2, 3, 5, 7, 11, 13, 17, 31, 61, 127, 251, 509, 1021, 2039, 4093)
 
 
-def _candidates(d: Dim) -> list[int]:
+def candidate_sizes(d: Dim) -> list[int]:
+    """The sizes of `d` a family is checked at (1, the ends and their neighbours, an odd middle, primes)."""
     lo, hi = d.min, d.max
     inside = [v for v in (1, lo, hi, lo + 1, hi - 1, (lo + hi) // 2 | 1, *_PRIMES) if lo <= v <= hi]
     return list(dict.fromkeys(inside))
@@ -525,7 +526,7 @@ def check_points(card: Card, seed: int = 0, extra: int = 3) -> list[dict[str, in
     points.append({d.name: d.min for d in free})
     points.append({d.name: d.max for d in free})
     for d in free:  # one dim at a time through its odd and prime sizes, the others as captured
-        points.extend({**base, d.name: v} for v in _candidates(d))
+        points.extend({**base, d.name: v} for v in candidate_sizes(d))
     for _ in range(extra):
         points.append({d.name: rng.randint(d.min, d.max) for d in free})
     seen, out = set(), []

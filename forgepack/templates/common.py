@@ -387,7 +387,11 @@ def index_type(shape: tuple[int, ...], views: list[View]) -> str:
     """Unsigned 32-bit index math when every offset fits (cheaper division by constants), else 64."""
     numel = math.prod(shape)
     spans = [v.offset + sum((n - 1) * s for n, s in zip(shape, v.strides, strict=True)) + 1 for v in views]
-    biggest = max([numel, *spans])
+    return itype_for(max([numel, *spans]))
+
+
+def itype_for(biggest: int) -> str:
+    """The index type for offsets up to `biggest`: unsigned 32-bit with 1M of slack, else 64."""
     return "uint32_t" if biggest + (1 << 20) < INT32_LIMIT else "uint64_t"
 
 

@@ -51,6 +51,7 @@ from forgepack.templates.common import (
     entry,
     flit,
     index_type,
+    itype_for,
     launch_status,
     layout_refusal,
     memory_order,
@@ -739,8 +740,7 @@ def _probe_points(dims) -> list[dict[str, int]] | None:
     values is that dim's (a fixed axis keeps one size; a size no single dim gives matches none)."""
     picks: dict[str, tuple[int, int, int]] = {}
     for d in dims:
-        values = [v for v in (d.max, d.min, (d.min + d.max) // 2 | 1, d.max - 1, d.min + 1, *families._PRIMES)
-                  if d.min <= v <= d.max]
+        values = families.candidate_sizes(d)
         triples = [(d.max, b, c) for b in values for c in values if len({d.max, b, c}) > 1]
         triple = next((t for t in triples if t not in picks.values()), None)
         if triple is None:
@@ -791,7 +791,7 @@ def _sized(card: Card) -> _Sized | str:
         binds.append((d.name, *held))
     big = members[0]
     spans = [o.numel for o in big.outputs] + [m.span() for m in big.tensor_inputs() if m is not None]
-    itype = "uint32_t" if max(spans) + (1 << 20) < (1 << 31) else "uint64_t"
+    itype = itype_for(max(spans))
     orders = tuple(tuple(memory_order(o.shape, o.stride)) for o in big.outputs)
     return _Sized(shapes, tuple(binds), orders, itype)
 
@@ -906,7 +906,7 @@ class IndexedFusion(FusedTemplate):
             raise Refused("a reduction (fused.rows serves those)")
         outs = card.outputs
         biggest = max([o.numel for o in outs] + [m.span() for m in card.tensor_inputs() if m is not None])
-        itype = "uint32_t" if biggest + (1 << 20) < (1 << 31) else "uint64_t"
+        itype = itype_for(biggest)
 
         def store(j: int, meta: TensorMeta) -> str:
             return " + ".join(f"c{d}_ * {s}u" for d, (n, s) in enumerate(zip(meta.shape, meta.stride, strict=True))

@@ -34,6 +34,7 @@ from forgepack.templates.common import (
     ctype,
     decode_lines,
     entry,
+    itype_for,
     launch_status,
     prelude,
     value,
@@ -118,7 +119,7 @@ def _body(plan: PoolPlan, target: str, itype: str) -> str:
 
 def render_pool(card: Card, target: str, plan: PoolPlan, params: dict) -> str:
     numel = plan.out.numel
-    itype = "uint32_t" if max(plan.x.span(), plan.out.span(), numel) + (1 << 20) < 1 << 31 else "uint64_t"
+    itype = itype_for(max(plan.x.span(), plan.out.span(), numel))
     xt, ot = ctype(plan.x.dtype, target), ctype(plan.out.dtype, target)
     restrict = " __restrict__" if target == "cuda" else ""
     fields = f"const {xt}*{restrict} x; {ot}*{restrict} out;" + (f" int64_t*{restrict} idx;" if plan.idx else "")
@@ -217,7 +218,7 @@ def render_max_cuda(card: Card, plan: PoolPlan, params: dict) -> str:
         lv //= 2
     groups = (n, c, ceil_div(oh, oht), ceil_div(ow, owt))
     units = math.prod(groups)
-    itype = "uint32_t" if max(x.span(), out.span(), idx.span(), units) + (1 << 20) < 1 << 31 else "uint64_t"
+    itype = itype_for(max(x.span(), out.span(), idx.span(), units))
     xt, ot = ctype(x.dtype, "cuda"), ctype(out.dtype, "cuda")
     osz = DTYPE_SIZES[out.dtype]
     vstore = owt > 1 and ow % owt == 0 and _aligned(out, [0, 1, 2], owt) and _aligned(idx, [0, 1, 2], owt)
