@@ -161,8 +161,11 @@ def test_family_profile_is_weighted_over_the_envelope(generate_capture, monkeypa
     members = families.members_at_points(card)
     per_call = [w * p.total_us / n for w, n in zip(weights, calls, strict=True)]  # each point's time per call
     # untimed points are scaled by bytes: time per byte equal to a timed point's
-    rates = {round(t / profile.roofline.roofline(m, f).bytes, 9) for t, m in zip(per_call, members, strict=True)}
-    assert len(rates) <= 3
+    rates = sorted(t / profile.roofline.roofline(m, f).bytes for t, m in zip(per_call, members, strict=True))
+    # distinct up to float rounding: neighbours within 1e-6 of each other are one rate (rounding to a fixed
+    # number of digits split one rate in two when it sat on a digit's boundary)
+    distinct = 1 + sum(1 for a, b in zip(rates, rates[1:]) if b > a * (1 + 1e-6))
+    assert distinct <= 3
     single = mm.with_profile(profile.measure_card(mm, cap.samples[mm.id], lm.device, f))
     shares = profile._with_shares([card, single])  # the allocator's share: the family's envelope total
     assert shares[0].profile.share == pytest.approx(p.total_us / (p.total_us + single.profile.total_us))
