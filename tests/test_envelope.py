@@ -164,7 +164,7 @@ def test_family_profile_is_weighted_over_the_envelope(generate_capture, monkeypa
     rates = sorted(t / profile.roofline.roofline(m, f).bytes for t, m in zip(per_call, members, strict=True))
     # distinct up to float rounding: neighbours within 1e-6 of each other are one rate (rounding to a fixed
     # number of digits split one rate in two when it sat on a digit's boundary)
-    distinct = 1 + sum(1 for a, b in zip(rates, rates[1:]) if b > a * (1 + 1e-6))
+    distinct = 1 + sum(1 for a, b in itertools.pairwise(rates) if b > a * (1 + 1e-6))
     assert distinct <= 3
     single = mm.with_profile(profile.measure_card(mm, cap.samples[mm.id], lm.device, f))
     shares = profile._with_shares([card, single])  # the allocator's share: the family's envelope total
