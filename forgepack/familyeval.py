@@ -38,13 +38,14 @@ spanning every run's, so a point loses only where every placement lost; each run
 the point's `placements`.
 
 A family kernel's template states that it needs each input at element alignment only (its vector
-paths chosen at run time: `generic.natural_needs`), and the guard would admit any such pointer (a
+paths chosen at run time: `needs.natural`), and the guard would admit any such pointer (a
 checkpoint's weight at 8 mod 16). The check points are all laid out at their captured offsets, so one
 more member has every input moved one element along (`shifted_member`) and is verified too; where it
 fails, the guard keeps each input at the offset modulo 16 bytes it was verified at. The answer is
-`diagnostics["family"]["element_aligned"]`, which the search reads (`element_aligned`).
+`diagnostics["element_aligned"]`, which the search reads (`element_aligned`).
 
-Exact-shape cards go straight to the `Evaluator`, unchanged.
+Exact-shape cards go straight to the `Evaluator`; an accepted exact CPU kernel then gets the same
+moved check (a CPU render states element alignment: `Template.needs`).
 """
 
 from __future__ import annotations
@@ -68,10 +69,9 @@ def evaluate(evaluator: Evaluator, card: Card, source: str, samples_path: Path |
              margin: float = 0.05, bench: bool = True, arch: str | None = None, *,
              progress: Progress | None = None) -> Verdict:
     """`Evaluator.evaluate` for any card: static checks, compile (cached), then `evaluate_compiled`."""
-    if card.family is None:
+    if staticcheck.check_source(source, evaluator.target):  # the evaluator's verdict on them
         return evaluator.evaluate(card, source, samples_path, margin, bench, arch, progress=progress)
-    if staticcheck.check_source(source, evaluator.target):
-        return evaluator.evaluate(card, source, samples_path, margin, bench, arch, progress=progress)
+    (progress or (lambda _stage: None))("compiling")
     compiled = compile_kernel(source, evaluator.target, arch=arch)
     return evaluate_compiled(evaluator, card, compiled, source, samples_path, margin, bench, progress=progress)
 
@@ -81,7 +81,8 @@ def evaluate_compiled(evaluator: Evaluator, card: Card, compiled: CompileResult,
                       progress: Progress | None = None) -> Verdict:
     """`Evaluator.evaluate_compiled` for any card; a family card over its check points (module doc)."""
     if card.family is None:
-        return evaluator.evaluate_compiled(card, compiled, source, samples_path, margin, bench, progress=progress)
+        verdict = evaluator.evaluate_compiled(card, compiled, source, samples_path, margin, bench, progress=progress)
+        return _exact_element_aligned(evaluator, card, compiled, source, margin, verdict)
     say = progress or (lambda _stage: None)
     rep = families.bind(card, card.tensor_inputs())
     captured = [dict(p) for p in card.family.points]
@@ -141,7 +142,7 @@ def shifted_member(member: Card) -> Card | None:
 def _element_aligned(evaluator: Evaluator, compiled: CompileResult, source: str, member: Card,
                      margin: float) -> dict:
     """Whether the kernel is right with its inputs at element alignment only (`shifted_member`): a
-    template states that it needs no more (`generic.natural_needs`), and the guard admits such pointers
+    template states that it needs no more (`needs.natural`), and the guard admits such pointers
     (a checkpoint's weight at 8 mod 16) only where this check passed; where it failed, the guard keeps
     each input at the offset modulo 16 bytes it was verified at (`needs.default`)."""
     moved = shifted_member(member)
@@ -154,10 +155,21 @@ def _element_aligned(evaluator: Evaluator, compiled: CompileResult, source: str,
     return {"ok": verdict.accepted, "reason": verdict.reason, "member": moved.signature()}
 
 
+def _exact_element_aligned(evaluator: Evaluator, card: Card, compiled: CompileResult, source: str,
+                            margin: float, verdict: Verdict) -> Verdict:
+    """An accepted exact kernel for the CPU, also checked moved one element along: a CPU render states
+    element alignment (`Template.needs`: plain loops), so that a checkpoint's weight at 8 mod 16 hits the
+    kernel captured from it. A CUDA render's vectors are laid out for the captured offsets: not checked."""
+    if not verdict.accepted or evaluator.target != "cpu":
+        return verdict
+    shifted = _element_aligned(evaluator, compiled, source, card, margin)
+    return dataclasses.replace(verdict, diagnostics={**verdict.diagnostics, "element_aligned": shifted})
+
+
 def element_aligned(verdict: dict | None) -> bool:
-    """Whether an accepted family verdict (as stored: JSON) passed `_element_aligned`."""
-    family = ((verdict or {}).get("diagnostics") or {}).get("family") or {}
-    return bool((family.get("element_aligned") or {}).get("ok"))
+    """Whether an accepted verdict (as stored: JSON), family or exact, passed `_element_aligned`."""
+    shifted = ((verdict or {}).get("diagnostics") or {}).get("element_aligned") or {}
+    return bool(shifted.get("ok"))
 
 
 RETIMED_ABOVE = 0.7  # a loss by less than this is timed again elsewhere in memory; a deeper one is no noise
@@ -240,8 +252,9 @@ def _folded(card: Card, verdicts: list[tuple[dict, Verdict]], captured: list[dic
     first = verdicts[0][1]
     base = dict(source_hash=first.source_hash, binary=first.binary, compile_s=first.compile_s,
                 verify_s=sum(v.verify_s for _, v in verdicts), bench_s=sum(v.bench_s for _, v in verdicts))
-    family = {"checked": [values for values, _ in verdicts], "skipped": skipped, "element_aligned": shifted}
-    diagnostics = {"verification": first.diagnostics.get("verification", {}), "family": family}
+    family = {"checked": [values for values, _ in verdicts], "skipped": skipped}
+    diagnostics = {"verification": first.diagnostics.get("verification", {}), "family": family,
+                   "element_aligned": shifted}
     n = len(verdicts)
     if not bench:
         return Verdict(True, None, f"verified at {n} sizes of the family (not benchmarked)", diagnostics, **base)

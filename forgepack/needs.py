@@ -9,6 +9,9 @@ A kernel that states nothing needs what it was verified with (`default`): each i
 at the captured offset modulo 16 bytes, today's rule for every exact-shape kernel. A size-generic
 kernel states what it really uses (a 4-byte scalar path: `Align(4)`, so a weight at 8 mod 16 still
 hits; a 16-byte vector path over the last dim: `Align(16)` and that dim a multiple of 16 / itemsize).
+So does every template's CPU render, exact or not: plain loops over element pointers (`natural`). A
+statement looser than the default is used only where the kernel was also verified with its inputs
+moved one element along (`familyeval.element_aligned`); else the guard keeps the default.
 """
 
 from __future__ import annotations
@@ -46,6 +49,13 @@ class Needs:
 def default(card: Card) -> Needs:
     """Today's rule: every input at the offset modulo 16 bytes it was captured (and verified) at."""
     return Needs(tuple(legacy_align(m) for m in card.tensor_inputs()))
+
+
+def natural(card: Card) -> Needs:
+    """Each tensor input at its element alignment only: a kernel with no vector paths (a CPU render's
+    plain loops) or whose vector paths are chosen at run time. Outputs are the guard's own allocations,
+    so it checks inputs only."""
+    return Needs(tuple(Align() if m is None else Align(m.itemsize) for m in card.tensor_inputs()))
 
 
 def legacy_align(m: TensorMeta | None) -> Align:

@@ -8,6 +8,7 @@ import dataclasses
 import shutil
 import subprocess
 import tempfile
+import types
 from pathlib import Path
 
 import pytest
@@ -92,7 +93,8 @@ def test_exact_shape_cards_keep_todays_renders_and_needs(fams):
     src = t.render(exact, "cpu", {})
     shape = exact.outputs[0].shape
     assert "fp_geom" not in src and f"call->outputs[0].sizes[1] != {shape[1]}LL" in src  # sizes baked in
-    assert t.needs(exact, "cpu", {}) == needs.default(exact)  # today's captured-offset rule
+    assert t.needs(exact, "cuda", {}) == needs.default(exact)  # today's captured-offset rule
+    assert t.needs(exact, "cpu", {}) == needs.natural(exact)  # a CPU render's plain loops
     assert t.needs(card, "cpu", {}) == Needs((Align(4), Align(4)))  # element alignment of each input
     rows = _pick(fams, "aten.mean.dim", "f32[1,8,64]")
     assert by_name("rowreduce.reduce").needs(rows, "cuda", {}) == Needs((Align(4),))
@@ -382,4 +384,26 @@ def test_a_kernel_right_only_at_16_byte_aligned_pointers_keeps_its_inputs_at_the
         verdict = familyeval.evaluate(evaluator, card, source, bench=False)
         assert verdict.accepted, verdict.reason
         stored = {"diagnostics": verdict.diagnostics}
-        assert familyeval.element_aligned(stored) is aligned_only, verdict.diagnostics["family"]["element_aligned"]
+        assert familyeval.element_aligned(stored) is aligned_only, verdict.diagnostics["element_aligned"]
+
+
+def test_an_exact_cpu_kernel_serves_a_weight_at_8_mod_16_only_once_checked_there(fams, evaluator):
+    """A CPU render is plain loops, so its template states element alignment for an exact card too, and a
+    checkpoint's weight that `from_pretrained` leaves at 8 mod 16 hits the kernel captured from it. The
+    statement is held to account as a family's is: the accepted kernel is verified again with every input
+    one element along. The rounding kernel is right at the captured offsets only: accepted, and kept
+    there (`element_aligned` false, so the search gives the guard today's rule)."""
+    exact = families.members_at_points(_pick(fams, "aten.mul.Tensor", "f32[64], f32[1,8,64]"))[0]
+    t = by_name("elementwise.binary")
+    assert t.needs(exact, "cpu", {}) == needs.natural(exact) != needs.default(exact)
+    honest = t.render(exact, "cpu", t.default(exact, "cpu"))
+    line = "p.in1 = (const float*)call->inputs[1].data;"
+    rounded = honest.replace(line, "p.in1 = (const float*)((uintptr_t)call->inputs[1].data & ~(uintptr_t)15);")
+    assert line in honest and rounded != honest
+    for source, aligned_only in ((honest, True), (rounded, False)):
+        verdict = familyeval.evaluate(evaluator, exact, source, bench=False)
+        assert verdict.accepted, verdict.reason
+        assert familyeval.element_aligned({"diagnostics": verdict.diagnostics}) is aligned_only, verdict.diagnostics
+    # a CUDA render's vectors are laid out for the captured offsets: its verdict is left as it is
+    cuda = types.SimpleNamespace(target="cuda")
+    assert familyeval._exact_element_aligned(cuda, exact, None, rounded, 0.05, verdict) is verdict

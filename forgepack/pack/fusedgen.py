@@ -7,8 +7,9 @@ or its own):
 
     <namespace>::fused(int site, Tensor[] inputs) -> Tensor[]
         tries the site's verified variants in order (most calls first): enabled, every input matching
-        the variant's dtype, sizes, strides, device and 16-byte alignment offset (fp_guard.h
-        `match`) or, for a family variant, binding the family's dims (sizes in their served ranges,
+        the variant's dtype, sizes, strides, device and the pointer alignment the kernel states
+        (fp_guard.h `match`: the offset modulo 16 bytes it was verified at, or element alignment where
+        it was verified there too) or, for a family variant, binding the family's dims (sizes in their served ranges,
         strides by their rules, the pointer alignment the kernel states: fp_guard.h `bind`), one
         device of the pack's arch, no autograd needed; on the first match it allocates the outputs
         from the variant's verified metadata (a family's at the bound dims), calls the kernel on the
@@ -111,16 +112,16 @@ def _variant_specs(k: int, v: FusedVariant) -> tuple[list[str], str]:
     head = f"{shimgen.cpp_string(card.id)}, {shimgen.cpp_string(v.kernel_file)}"
     lines = [f"// variant {k}: {card.id}  {card.signature()}"]
     fam = card.family
+    needs = v.stated_needs()
+    needs_mod.validate(needs, card)
     if fam is None:
         for i, m in enumerate(card.tensor_inputs()):
-            lines += shimgen._meta_constants(f"f{k}_in{i}", m)
+            lines += shimgen._meta_constants(f"f{k}_in{i}", m, needs.align[i])
         for j, m in enumerate(card.outputs):
             lines += shimgen._meta_constants(f"f{k}_out{j}", m)
         lines.append(f"constexpr fpg::TensorSpec f{k}_ins[] = {{{', '.join(f'f{k}_in{i}' for i in range(n_in))}}};")
         lines.append(f"constexpr fpg::TensorSpec f{k}_outs[] = {{{', '.join(f'f{k}_out{j}' for j in range(n_out))}}};")
         return lines, f"{{{head}, f{k}_ins, {n_in}, f{k}_outs, {n_out}, nullptr, nullptr, nullptr, nullptr}},"
-    needs = v.stated_needs()
-    needs_mod.validate(needs, card)
     lines.append(f"// family: {card.family_text()}")
     lines.append(shimgen.dim_ranges(f"f{k}_ranges", fam))
     for i, (m, layout) in enumerate(zip(card.tensor_inputs(), fam.inputs, strict=True)):

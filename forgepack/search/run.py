@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from forgepack import accepted as accepted_mod
+from forgepack import needs as needs_mod
 from forgepack.accepted import AcceptedKernel
 from forgepack.cards import Card
 from forgepack.errors import ForgepackError
@@ -479,14 +480,15 @@ class Search:
 
     def _needs(self, card: Card, rec, needs_of) -> Any:
         """What the guard checks of an accepted kernel's pointers: the template's statement where it was
-        verified (an exact operator kernel at its captured offsets; a family kernel, operator or fused,
-        also with every input at element alignment only: `familyeval.element_aligned`), else today's
-        rule (None: each input at the offset modulo 16 bytes it was verified at)."""
+        verified, that is where it states today's rule (each input at the offset modulo 16 bytes it was
+        verified at) or the kernel was also verified with every input one element along (a family
+        kernel, an exact CPU kernel: `familyeval.element_aligned`); else None, today's rule."""
         from forgepack import familyeval
 
-        if card.family is not None:
-            return needs_of(card, self.settings.target, rec.params) if familyeval.element_aligned(rec.verdict) else None
-        return needs_of(card, self.settings.target, rec.params) if card.kind == "op" else None
+        stated = needs_of(card, self.settings.target, rec.params)
+        if stated is None or stated == needs_mod.default(card) or familyeval.element_aligned(rec.verdict):
+            return stated
+        return None
 
 
 def call_result(cand: CandidateRecord) -> CallResult:

@@ -25,6 +25,7 @@ import math
 import struct
 from dataclasses import dataclass
 
+from forgepack import needs as needs_mod
 from forgepack.cards import DTYPE_SIZES, Card
 from forgepack.templates import generic
 from forgepack.templates.common import (
@@ -341,7 +342,7 @@ class PointwiseTemplate(Template):
         return generic.render_pointwise(card, target, list(plan.info), fields, inits, params, prelude(target), dim)
 
     def needs(self, card, target, params):
-        return generic.natural_needs(card) if card.family is not None else super().needs(card, target, params)
+        return needs_mod.natural(card) if card.family is not None else super().needs(card, target, params)
 
     def axes(self, plan, target):
         return pointwise_axes(plan, target)

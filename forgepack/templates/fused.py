@@ -34,6 +34,7 @@ import re
 from dataclasses import dataclass
 
 from forgepack import families
+from forgepack import needs as needs_mod
 from forgepack.cards import DTYPE_SIZES, Card, ChainArg, TensorMeta
 from forgepack.templates import elementwise as ew
 from forgepack.templates import generic
@@ -336,7 +337,7 @@ class PointwiseFusion(FusedTemplate):
     family_emit = ew.PointwiseTemplate.family_emit
 
     def needs(self, card, target, params):
-        return generic.natural_needs(card) if card.family is not None else super().needs(card, target, params)
+        return needs_mod.natural(card) if card.family is not None else super().needs(card, target, params)
 
     def plan(self, card: Card, target: str):
         if len(card.outputs) != 1:
@@ -898,7 +899,7 @@ class IndexedFusion(FusedTemplate):
         return self.pick_default(plan.base, axes, target)
 
     def needs(self, card, target, params):
-        return generic.natural_needs(card) if card.family is not None else super().needs(card, target, params)
+        return needs_mod.natural(card) if card.family is not None else super().needs(card, target, params)
 
     def plan(self, card: Card, target: str):
         chain = entries(card)

@@ -23,7 +23,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from forgepack.cards import DTYPE_CODES, DTYPE_SIZES, Card, Layout
-from forgepack.needs import Align, Needs
 from forgepack.templates.common import abi_counts_check, ctype, hint_helpers, launch_status, scalar_checks
 
 GRID_CAP = 132 * 32  # grid-stride loops: enough blocks for every SM, whatever the size
@@ -160,12 +159,6 @@ __attribute__((unused)) static inline bool fp_geom_vec_ok(const fp_geom* g, int 
 
 def helpers(views: int) -> str:
     return f"\n#undef FP_GV\n#define FP_GV {views}\n" + HOST_HELPERS
-
-
-def natural_needs(card: Card) -> Needs:
-    """A kernel whose vector paths are chosen at run time needs only each input's element alignment
-    (outputs are the guard's own allocations, so it checks inputs only)."""
-    return Needs(tuple(Align() if m is None else Align(m.itemsize) for m in card.tensor_inputs()))
 
 
 def entry(card: Card, target: str, body: str) -> str:

@@ -19,6 +19,7 @@ import functools
 import math
 from dataclasses import dataclass, field
 
+from forgepack import needs as needs_mod
 from forgepack.cards import Card, TensorMeta
 from forgepack.templates import generic
 from forgepack.templates.common import (
@@ -542,7 +543,7 @@ class RowTemplate(Template):
         return render_rows(card, target, plan.base, params, family_k=plan.info)
 
     def needs(self, card, target, params):
-        return generic.natural_needs(card) if card.family is not None else super().needs(card, target, params)
+        return needs_mod.natural(card) if card.family is not None else super().needs(card, target, params)
 
     def axes(self, plan, target):
         return row_axes(plan, target)
