@@ -27,8 +27,8 @@ def commit() -> str:
     if os.environ.get("FORGEPACK_COMMIT"):
         return os.environ["FORGEPACK_COMMIT"]
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True,
+                              cwd=Path(__file__).resolve().parent).stdout.strip()  # run from anywhere
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 
