@@ -9,8 +9,10 @@
 #   bash tools/gpu_check.sh 0:search=llama-1b-prefill,packs=gpt2 1:search=resnet-50   # per-lane recipes
 #   PACK_BUDGET=48 PACK_TIME=280 bash tools/gpu_check.sh 0:packs=llama-1b-prefill+gpt2         # next session: call 1
 #   PACK_BUDGET=48 PACK_TIME=280 bash tools/gpu_check.sh 0:packs=resnet-50+qwen2-0.5b-prefill  # and call 2
-#   # issue 20, what is left (session 16): the Qwen2 envelope pack within 3% of the exact pack at its prefill
-#   # shape, now that the rotary folds over batch and tokens; one call (about 560 s), then the Llama twin
+#   # issue 20, what is left (sessions 16-17; 17 had no device time): the Qwen2 envelope pack within 3% of the
+#   # exact pack at its prefill shape, now that the rotary folds over batch and tokens (on the CPU it fuses what the
+#   # exact pack fuses: benchmarks/2026-12-05-cpu-parity); one call (about 560 s), then the Llama twin, then
+#   # `tests=fusion_families` (the size-generic rotary's CUDA cases)
 #   ENVELOPE_MARGIN=-0.99 ENVELOPE_STRATEGY=breadth ENVELOPE_BUDGET=80 ENVELOPE_LIMIT=220 ENVELOPE_BUILD_TIME=290 \
 #     ENVELOPE_TRACE=0 BUILD_LIMIT=50 PACK_BUDGET=10 BUILD_TIME=100 SHAPES_TIME=110 OVERHEAD_TIME=60 \
 #     SHAPES_ARGS="--batches 1,8 --prompts 16,512,2048 --caches 16,2048 --rounds 10" OVERHEAD_ARGS="--shapes base" \
