@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from forgepack import cards
+from forgepack import cards, families
 from forgepack import samples as samples_mod
-from forgepack.capture import card_from_call
+from forgepack.capture import capture, card_from_call
 
 REPO = Path(__file__).resolve().parent.parent
 KERNELS = Path(__file__).parent / "kernels"
@@ -75,6 +75,32 @@ def test_rejected_kernel_exits_1_with_category_and_reason(tmp_path):
     assert done.returncode == 1
     assert "rejected [mismatch]" in done.stdout and "unwritten" in done.stdout
     assert "Traceback" not in done.stderr
+
+
+def test_a_family_card_is_checked_over_its_range_as_a_build_checks_it(tmp_path):
+    """A workspace's cards/ holds family cards after an envelope build; `check` evaluates them as the search
+    does, at every check point of the range. A kernel that does the captured member's element count is
+    right at that member's size alone: it passed when `check` verified the family card's own inputs only."""
+    m = torch.nn.ReLU()
+    xs = [torch.randn(rows, 64) for rows in (2, 5, 9, 17)]
+    family = next(c for c in families.fold(capture(m, lambda: [m(x) for x in xs], keep_samples=False).cards)
+                  if c.family is not None)
+    path = tmp_path / "cards" / f"{family.id}.json"
+    path.parent.mkdir()
+    cards.save(family, path)
+    honest = forgepack("check", path, KERNELS / "relu_cpu.cpp", "--no-bench", "--json")
+    assert honest.returncode == 0, honest.stdout + honest.stderr
+    report = json.loads(honest.stdout)
+    assert len(report["diagnostics"]["family"]["checked"]) == len(families.check_points(family))
+    count = "for (int d = 0; d < x->ndim; ++d) n *= x->sizes[d];"
+    rows = dict(families.bind(family, family.tensor_inputs()))["d0"]
+    source = (KERNELS / "relu_cpu.cpp").read_text()
+    assert count in source
+    baked = tmp_path / "relu_baked.cpp"
+    baked.write_text(source.replace(count, f"n = {rows * 64};  /* the captured member's element count */"))
+    done = forgepack("check", path, baked, "--no-bench")
+    assert done.returncode == 1 and "rejected [" in done.stdout, done.stdout + done.stderr
+    assert "checked" in done.stdout and "Traceback" not in done.stderr
 
 
 @pytest.mark.parametrize(

@@ -19,7 +19,7 @@ def register(app: typer.Typer) -> None:
 
 
 def check(
-    card_path: Path = typer.Argument(..., metavar="CARD.json", help="An operator card (a workspace's cards/)."),
+    card_path: Path = typer.Argument(..., metavar="CARD.json", help="A card, exact or family (a workspace's cards/)."),
     source_path: Path = typer.Argument(..., metavar="KERNEL_SOURCE", help="A kernel source (.cu cuda, .cpp cpu)."),
     target: str = typer.Option(None, "--target", help="cuda or cpu (default: the card's device)."),
     samples: Path = typer.Option(None, "--samples", help="Captured inputs (default: ../samples/<id>.safetensors)."),
@@ -28,7 +28,8 @@ def check(
     as_json: bool = typer.Option(False, "--json", help="Print the verdict as JSON."),
     timeout: float = typer.Option(60.0, "--timeout", help="Seconds allowed for verification or benchmark."),
 ) -> None:
-    """Check a kernel against an operator card: static checks, compile, verify, benchmark."""
+    """Check a kernel against a card: static checks, compile, verify, benchmark (a family card at every
+    check point of its range, as a build does)."""
     card, source, target, samples = _inputs(card_path, source_path, target, samples)
     from forgepack.evaluate import Evaluator
 
@@ -77,11 +78,14 @@ def _card_device(card) -> str:
 def _run(evaluator_cls, card, source, target, samples, margin, bench, timeout, quiet: bool):
     from rich.console import Console
 
+    from forgepack import familyeval
+
     console = Console(stderr=True, quiet=quiet or not sys.stderr.isatty())
     with console.status(f"checking a {target} kernel for {card.op} {card.signature()}") as status, \
             evaluator_cls(target, timeout_s=timeout) as evaluator:
-        return evaluator.evaluate(card, source, samples_path=samples, margin=margin, bench=bench,
-                                  progress=lambda stage: status.update(f"{stage} ({card.id})"))
+        # as the search evaluates: a family card over its range, an exact CPU kernel also moved one element
+        return familyeval.evaluate(evaluator, card, source, samples_path=samples, margin=margin, bench=bench,
+                                   progress=lambda stage: status.update(f"{stage} ({card.id})"))
 
 
 def _report(verdict, card_id: str, target: str, samples: Path | None) -> dict:
