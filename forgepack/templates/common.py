@@ -504,11 +504,14 @@ class Template:
     def needs(self, card: Card, target: str, params: dict) -> Needs:
         """What the kernel rendered at `params` needs of its inputs (pointer alignment, divisibility:
         `forgepack.needs`), which the pack's guard checks. A CPU render is plain loops over element
-        pointers: element alignment (a checkpoint's weight at 8 mod 16 still hits, once verified there:
-        `familyeval.element_aligned`). A CUDA render lays its vectors out for the captured offsets:
-        today's rule, each input at the offset modulo 16 bytes it was verified at; a size-generic
-        template states what it uses."""
-        return needs_mod.natural(card) if target == "cpu" else needs_mod.default(card)
+        pointers, and a size-generic render of a family card (`generic`) chooses its vector paths at
+        run time: element alignment (a checkpoint's weight at 8 mod 16 still hits, once verified there:
+        `familyeval.element_aligned`). An exact CUDA render lays its vectors out for the captured
+        offsets: today's rule, each input at the offset modulo 16 bytes it was verified at. A template
+        whose renders need more says so."""
+        if target == "cpu" or (self.generic and card.family is not None):
+            return needs_mod.natural(card)
+        return needs_mod.default(card)
 
     # --- for subclasses ---
     def plan(self, card: Card, target: str) -> Any:

@@ -25,7 +25,6 @@ import math
 import struct
 from dataclasses import dataclass
 
-from forgepack import needs as needs_mod
 from forgepack.cards import DTYPE_SIZES, Card
 from forgepack.templates import generic
 from forgepack.templates.common import (
@@ -340,9 +339,6 @@ class PointwiseTemplate(Template):
         fields, inits = _pointer_fields(card, list(plan.info), target)
         dim = value(card, "dim", 0) % len(card.outputs[0].shape) if isinstance(self, CatTemplate) else None
         return generic.render_pointwise(card, target, list(plan.info), fields, inits, params, prelude(target), dim)
-
-    def needs(self, card, target, params):
-        return needs_mod.natural(card) if card.family is not None else super().needs(card, target, params)
 
     def axes(self, plan, target):
         return pointwise_axes(plan, target)

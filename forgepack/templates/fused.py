@@ -34,7 +34,6 @@ import re
 from dataclasses import dataclass
 
 from forgepack import families
-from forgepack import needs as needs_mod
 from forgepack.cards import DTYPE_SIZES, Card, ChainArg, TensorMeta
 from forgepack.templates import elementwise as ew
 from forgepack.templates import generic
@@ -335,9 +334,6 @@ class PointwiseFusion(FusedTemplate):
     family_axes = ew.PointwiseTemplate.family_axes
     family_default = ew.PointwiseTemplate.family_default
     family_emit = ew.PointwiseTemplate.family_emit
-
-    def needs(self, card, target, params):
-        return needs_mod.natural(card) if card.family is not None else super().needs(card, target, params)
 
     def plan(self, card: Card, target: str):
         if len(card.outputs) != 1:
@@ -897,9 +893,6 @@ class IndexedFusion(FusedTemplate):
 
     def family_default(self, plan, axes, target):
         return self.pick_default(plan.base, axes, target)
-
-    def needs(self, card, target, params):
-        return needs_mod.natural(card) if card.family is not None else super().needs(card, target, params)
 
     def plan(self, card: Card, target: str):
         chain = entries(card)

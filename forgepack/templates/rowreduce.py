@@ -19,7 +19,6 @@ import functools
 import math
 from dataclasses import dataclass, field
 
-from forgepack import needs as needs_mod
 from forgepack.cards import Card, TensorMeta
 from forgepack.templates import generic
 from forgepack.templates.common import (
@@ -541,9 +540,6 @@ class RowTemplate(Template):
 
     def family_emit(self, card, plan, target, params):
         return render_rows(card, target, plan.base, params, family_k=plan.info)
-
-    def needs(self, card, target, params):
-        return needs_mod.natural(card) if card.family is not None else super().needs(card, target, params)
 
     def axes(self, plan, target):
         return row_axes(plan, target)
