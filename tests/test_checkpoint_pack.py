@@ -16,10 +16,10 @@ import json
 import os
 import subprocess
 import sys
-import zipfile
 from pathlib import Path
 
 import pytest
+from test_envelope_e2e import build_pack
 
 REPO = Path(__file__).resolve().parent.parent
 SHAPE = '''
@@ -65,17 +65,7 @@ def test_an_exact_cpu_pack_serves_its_own_checkpoints_weights_at_8_mod_16(tmp_pa
 
     path = tmp_path / "qwen2.toml"
     path.write_text(f'name = "qwen2-checkpoint"\n\n[model]\npath = "{save(tmp_path, "tiny-qwen2")}"\n' + SHAPE)
-    env = {**os.environ, "FORGEPACK_HOME": str(tmp_path / "home"), "FORGEPACK_CACHE": str(tmp_path / "cache"),
-           "PYTHONPATH": str(REPO)}
-    build = subprocess.run([sys.executable, "-m", "forgepack", "build", str(path), "--workspace", str(tmp_path / "ws"),
-                            "--out", str(tmp_path / "packs"), "--json"],
-                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1200, check=False)
-    assert build.returncode == 0, build.stderr[-3000:]
-    wheel = json.loads(build.stdout)["wheel"]
-    site = tmp_path / "site"
-    with zipfile.ZipFile(wheel) as z:
-        z.extractall(site)
-    package = next(p.name for p in site.iterdir() if p.name.startswith("forgepack_pack_") and "." not in p.name)
+    site, package, env = build_pack(tmp_path, path, timeout=1200)
     code = MAIN.replace("PACKAGE", package).replace("RECIPE_PATH", repr(str(path)))
     run = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=600,
                          env={**env, "PYTHONPATH": f"{site}{os.pathsep}{REPO}"}, check=False)

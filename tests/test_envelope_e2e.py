@@ -82,6 +82,24 @@ def _recipe(tmp_path: Path, model: str) -> Path:
     return path
 
 
+def build_pack(tmp_path: Path, path: Path, timeout: int) -> tuple[Path, str, dict]:
+    """`forgepack build` of this recipe through the CLI (home, cache and workspace under `tmp_path`), its
+    wheel unzipped: (the directory to put on PYTHONPATH, the pack's package name, the environment)."""
+    env = {**os.environ, "FORGEPACK_HOME": str(tmp_path / "home"), "FORGEPACK_CACHE": str(tmp_path / "cache"),
+           "PYTHONPATH": str(REPO)}
+    build = subprocess.run([sys.executable, "-m", "forgepack", "build", str(path), "--workspace",
+                            str(tmp_path / "ws"), "--out", str(tmp_path / "packs"), "--json"],
+                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout, check=False)
+    assert build.returncode == 0, build.stderr[-3000:]
+    wheel = json.loads(build.stdout)["wheel"]
+    assert wheel, "no pack written: no kernel accepted"
+    site = tmp_path / "site"
+    with zipfile.ZipFile(wheel) as z:
+        z.extractall(site)
+    package = next(p.name for p in site.iterdir() if p.name.startswith("forgepack_pack_") and "." not in p.name)
+    return site, package, env
+
+
 @pytest.mark.slow
 @pytest.mark.long
 @pytest.mark.parametrize("model", ["tiny-llama", "tiny-qwen2"])
@@ -91,18 +109,7 @@ def test_generate_envelope_pack_serves_90_percent_of_its_family_ops_calls(tmp_pa
     path = _recipe(tmp_path, model)
     r = recipe_mod.load(path)
     assert r.workload.is_envelope
-    env = {**os.environ, "FORGEPACK_HOME": str(tmp_path / "home"), "FORGEPACK_CACHE": str(tmp_path / "cache"),
-           "PYTHONPATH": str(REPO)}
-    build = subprocess.run([sys.executable, "-m", "forgepack", "build", str(path), "--workspace",
-                            str(tmp_path / "ws"), "--out", str(tmp_path / "packs"), "--json"],
-                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=3000, check=False)
-    assert build.returncode == 0, build.stderr[-3000:]
-    wheel = json.loads(build.stdout)["wheel"]
-    assert wheel, "no pack written: no kernel accepted"
-    site = tmp_path / "site"
-    with zipfile.ZipFile(wheel) as z:
-        z.extractall(site)
-    package = next(p.name for p in site.iterdir() if p.name.startswith("forgepack_pack_") and "." not in p.name)
+    site, package, env = build_pack(tmp_path, path, timeout=3000)
     code = (MAIN.replace("PACKAGE", package).replace("REPO", repr(str(REPO)))
             .replace("RECIPE_PATH", repr(str(path))).replace("POINTS", repr(SERVE)))
     run = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=1200,
