@@ -32,7 +32,7 @@ accept rule and the gate use. Verification covered the whole range, so the sub-r
 Before the guard acts on a loss it is confirmed: a timed point losing by a little (speed-up at least
 `RETIMED_ABOVE`) is benchmarked again on fresh inputs placed elsewhere in memory (`_confirmed`). The
 same small op, stock and kernel alike, timed in two H200 builds moved by up to a quarter while each
-build's interval stayed tight (benchmarks/2026-12-04-h200-session14: the KV cache's cat at batch 3,
+build's interval stayed tight (benchmarks/2026-12-04-h200-envelope-both-models: the KV cache's cat at batch 3,
 720 tokens, 1.15x in one and 0.85x in the other). The runs are `pooled`: mean times, and an interval
 spanning every run's, so a point loses only where every placement lost; each run's figures stay in
 the point's `placements`.

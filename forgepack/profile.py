@@ -47,6 +47,11 @@ class ModelProfile:
     torch_version: str
     date: str
     recipe_fingerprint: str = ""
+    # what the loader resolved from the model argument, so a directory or hub id's guess is visible
+    task: str = ""
+    model_class: str = ""
+    dtype: str = ""
+    shapes: str = ""  # the example inputs' shapes, `name=AxB` each
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -292,8 +297,17 @@ def run_profile(recipe: Recipe, workspace: Workspace, progress: Callable[[str, i
         torch_version=torch.__version__,
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         recipe_fingerprint=recipe_fingerprint(recipe),
+        task=lm.recipe.workload.task,
+        model_class=type(lm.model).__name__,
+        dtype=str(lm.dtype).removeprefix("torch."),
+        shapes=input_shapes(lm.inputs),
     )
     return result, _write(workspace, recipe, result, cards + fused.cards, cap)
+
+
+def input_shapes(inputs: dict[str, Any]) -> str:
+    """`name=AxB` for every tensor input, in the order the model receives them."""
+    return " ".join(f"{k}={'x'.join(map(str, v.shape))}" for k, v in inputs.items() if isinstance(v, torch.Tensor))
 
 
 def _write(workspace: Workspace, recipe: Recipe, result: ModelProfile, cards: list[Card], cap) -> list[Card]:

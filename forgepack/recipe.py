@@ -31,7 +31,7 @@ PHASES = ("prefill", "decode", "generate")  # generate: prefill + decode steps, 
 DTYPES = ("float32", "float16", "bfloat16")
 MEMORY_FORMATS = ("contiguous", "channels_last")
 TARGETS = ("cpu", "cuda", "auto")  # auto: cuda when a GPU is visible, else cpu (resolved on use)
-PROPOSERS = ("templates", "anthropic")
+PROPOSERS = ("templates", "anthropic", "openai")
 
 
 @dataclass(frozen=True)

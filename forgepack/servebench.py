@@ -32,6 +32,17 @@ timed, nothing of this process warm (CUDA context, cuBLAS, allocator, imports of
 runs before this process loads the model, so the two never share the GPU's memory.
 
     result = servebench.bench_model(recipe, ServeSettings(requests=4), pack=None, note=print_note)
+
+The fair peers (`bench_peers`, `--peers`): each column in a fresh process of its own
+(`forgepack.servepeers`: no dynamo state shared, nothing reset by another column), every shape of the
+trace warmed before the rounds, the rounds sent one column at a time in a rotating order. Columns
+`eager`, `static-pinned`, `compiled-loop`, `graphs`, `pack+graphs` (with a pack); per column
+`round_s`, median tokens/s and its bootstrap 95% `interval`, the ratio to every peer with its interval
+(rounds paired), `recompiles` during the rounds (with the guard-failure reasons), the cold process's
+`load_s`, `ready_s`, `first_request_s` (compile or capture included) and `warmup_s`, and how many
+requests' greedy tokens equal eager's (all of them on a trained model: `forgepack.trainedlm`).
+
+    result = servebench.bench_peers(recipe, ServeSettings(requests=8, rounds=5), pack_spec=None)
 """
 
 from __future__ import annotations
@@ -42,11 +53,13 @@ import gc
 import importlib
 import json
 import os
+import queue
 import random
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -559,11 +572,204 @@ def _cold_main(job_text: str) -> int:
 
 
 # ----------------------------------------------------------------------------------------------------
+# The fair peers: one fresh process per column (forgepack.servepeers), rounds in a rotating order
+
+PEER_TIMEOUT_S = 900  # one column's setup and warm-up, or one round; a hung process must not hang the run
+PEER_HEADERS = ["column", "tokens/s", "95% interval", "vs eager", "vs eager 95%", "ready s", "first request s",
+                "warmup s", "recompiles", "tokens = eager", "note"]
+
+
+def peer_columns(pack_spec: str | None, no_compile: bool = False) -> list[str]:
+    names = ["eager"] + ([] if no_compile else ["static-pinned", "compiled-loop"]) + ["graphs"]
+    return names + (["pack+graphs"] if pack_spec else [])
+
+
+def trained_grammar(recipe) -> bool:
+    """A model trained by forgepack.trainedlm: its prompts come from its grammar, its tokens are checkable."""
+    from forgepack import trainedlm
+
+    path = getattr(recipe.model, "path", None)
+    return bool(path) and (Path(path) / trainedlm._MARKER).is_file()
+
+
+def positions_of(recipe) -> int:
+    """The model's positions, read from its config without loading it (the columns load it, each its own)."""
+    config = dict(recipe.model.config or {})
+    path = getattr(recipe.model, "path", None)
+    if not config and path and (Path(path) / "config.json").is_file():
+        config = json.loads((Path(path) / "config.json").read_text())
+    return int(config.get("max_position_embeddings", 1 << 30))
+
+
+class Peer:
+    """One column's process: started, set up and warmed (`ready`), then driven one round at a time."""
+
+    def __init__(self, name: str, args: list[str], env: dict, log: Path):
+        self.name, self.log = name, log
+        with log.open("w") as err:  # a file, not a pipe: a chatty compile must not fill a pipe and block
+            self.proc = subprocess.Popen([sys.executable, "-m", "forgepack.servepeers", "--column", name, *args],
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True,
+                                         env=env)
+        self.info: dict[str, Any] = {}
+        self.rounds: list[dict] = []
+        self.lines: queue.Queue = queue.Queue()
+        # a reader thread, so that a column that hangs is waited on for PEER_TIMEOUT_S, not for ever
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.put(line)
+        self.lines.put(None)
+
+    def read(self, event: str) -> dict:
+        while True:
+            try:
+                line = self.lines.get(timeout=PEER_TIMEOUT_S)
+            except queue.Empty:
+                self.close()
+                raise RuntimeError(f"column {self.name} gave no answer in {PEER_TIMEOUT_S} s") from None
+            if line is None:
+                break
+            if line.startswith("{") and json.loads(line).get("event") == event:
+                return json.loads(line)
+        tail = (self.log.read_text().strip().splitlines() or ["no output"])[-1]
+        raise RuntimeError(f"column {self.name} ended (exit {self.proc.wait()}): {tail}")
+
+    def send(self, text: str) -> None:
+        self.proc.stdin.write(text + "\n")
+        self.proc.stdin.flush()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def start_peer(name: str, args: list[str], env: dict, log: Path) -> Peer:
+    """A column's process, waited on until it is warm: columns set up one after the other, so each one's
+    first request and compile times are its own, not shared with another column's compile."""
+    peer = Peer(name, args, env, log)
+    try:
+        peer.info = peer.read("ready")
+    except RuntimeError as err:
+        peer.info = {"error": str(err)}
+        peer.close()
+    return peer
+
+
+def bench_peers(recipe, settings: ServeSettings, pack_spec: str | None = None, note: Note | None = None,
+                label: str | None = None) -> dict:
+    """Every peer column in a process of its own over the settings' trace, `settings.rounds` rounds in a
+    rotating order (one process runs at a time); per column the rounds' times, tokens/s with its bootstrap
+    interval, its ratio to every peer (paired by round), recompiles during the rounds, tokens against eager."""
+    from forgepack import recipe as recipe_mod
+
+    note = note or _silent
+    name = label or recipe.name
+    trace = trace_for(settings, positions_of(recipe))
+    if not trace:
+        raise UsageError(f"{name}: no request of the trace fits the model's positions (lower --prompt or --new)")
+    names = peer_columns(pack_spec, settings.no_compile)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [_repo_root(), os.environ.get("PYTHONPATH")]))}
+    total, done = len(names) * (1 + settings.rounds), 0
+    with tempfile.TemporaryDirectory(prefix="forgepack-peers-") as tmp, contextlib.ExitStack() as stack:
+        (Path(tmp) / "recipe.toml").write_text(recipe_mod.dumps(recipe))
+        (Path(tmp) / "trace.json").write_text(json.dumps(trace))
+        args = ["--model", str(Path(tmp) / "recipe.toml"), "--trace", str(Path(tmp) / "trace.json"),
+                "--seed", str(settings.seed), *(["--grammar"] if trained_grammar(recipe) else [])]
+        peers = []
+        for col in names:
+            note(f"{name} {col}: a fresh process, set up and warmed", done, total)
+            extra = ["--pack", pack_spec] if col == "pack+graphs" else []
+            peers.append(start_peer(col, args + extra, env, Path(tmp) / f"{col}.log"))
+            stack.callback(peers[-1].close)
+            done += 1
+        live = [p for p in peers if "error" not in p.info]
+        for r in range(settings.rounds):
+            for peer in live[r % len(live):] + live[:r % len(live)]:
+                drive(peer, "round", peer.rounds.append)
+                done += 1
+            live = [p for p in live if "error" not in p.info]
+            note(f"{name}: round {r + 1}/{settings.rounds} done", done, total)
+        for peer in live:
+            drive(peer, "stop", peer.info.update)
+    eager = next((p for p in peers if p.name == "eager"), None)
+    return {"trace": trace, "peers": True, "grammar": trained_grammar(recipe), "columns": summarise_peers(peers),
+            "eager_tokens": eager.info.get("tokens") if eager else None}
+
+
+def drive(peer: Peer, command: str, keep: Callable[[dict], Any]) -> None:
+    """One command to a column's process; a column that fails says so in its row, the others go on."""
+    try:
+        peer.send(command)
+        keep(peer.read("done" if command == "stop" else command))
+    except (RuntimeError, OSError) as err:
+        peer.info["error"] = str(err)
+        peer.close()
+
+
+def tokens_per_s(peer: Peer) -> list[float]:
+    return [r["tokens"] / r["round_s"] for r in peer.rounds]
+
+
+def median_interval(values: list[float]) -> tuple[float, float]:
+    """Bootstrap 95% interval of the median: the ratio interval against a constant 1 (its median is 1)."""
+    from forgepack.intervals import bootstrap_ratio_ci
+
+    return bootstrap_ratio_ci(values, [1.0] * len(values), paired=True)
+
+
+def summarise_peers(peers: list[Peer]) -> dict[str, dict]:
+    """Per column: `round_s`, tokens/s (median, `interval`), `vs` every peer (ratio of medians and its
+    interval, rounds paired), `recompiles` during the rounds, and whether its greedy tokens equal eager's."""
+    from forgepack.intervals import bootstrap_ratio_ci
+
+    eager = next((p for p in peers if p.name == "eager" and p.rounds), None)
+    out = {}
+    for peer in peers:
+        info = {k: v for k, v in peer.info.items() if k not in ("event", "column", "tokens")}
+        if not peer.rounds:
+            out[peer.name] = {"tokens_per_s": None, **info}
+            continue
+        tps = tokens_per_s(peer)
+        low, high = median_interval(tps)
+        vs = {}
+        for other in peers:
+            if other is not peer and other.rounds:
+                ratio = statistics.median(tps) / statistics.median(tokens_per_s(other))
+                ci = bootstrap_ratio_ci(tps, tokens_per_s(other), paired=True)
+                vs[other.name] = {"ratio": round(ratio, 4), "interval": [round(ci[0], 4), round(ci[1], 4)]}
+        mine, theirs = peer.info.get("tokens"), eager.info.get("tokens") if eager else None
+        same = sum(x == y for x, y in zip(mine, theirs, strict=True)) if mine and theirs else None
+        out[peer.name] = {"tokens_per_s": round(statistics.median(tps), 2), "interval": [round(low, 2), round(high, 2)],
+                          "round_s": [r["round_s"] for r in peer.rounds], "vs": vs,
+                          "requests_equal_eager": same, "requests": len(mine or []), **info}
+    return out
+
+
+def peer_rows(result: dict) -> list[list]:
+    """One table row per peer column, in PEER_HEADERS' order."""
+    rows = []
+    for col, v in result["columns"].items():
+        if v.get("tokens_per_s") is None:
+            rows.append([col] + [None] * (len(PEER_HEADERS) - 2) + [v.get("error", "no rounds")])
+            continue
+        eager = v["vs"].get("eager", {"ratio": 1.0, "interval": [1.0, 1.0]})
+        recompiles = str(v["recompiles"]) + (f" ({v['reasons'][-1][:60]})" if v.get("reasons") else "")
+        rows.append([col, v["tokens_per_s"], "{}-{}".format(*v["interval"]), eager["ratio"],
+                     "{}-{}".format(*eager["interval"]), v["ready_s"], v["first_request_s"], v["warmup_s"],
+                     recompiles, f"{v['requests_equal_eager']}/{v['requests']}", ""])
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------------
 # Tables
 
 
 def rows_of(result: dict) -> list[list]:
-    """One table row per column, in HEADERS' order."""
+    """One table row per column, in HEADERS' order (PEER_HEADERS' for the fair peers)."""
+    if result.get("peers"):
+        return peer_rows(result)
     rows = []
     for col, v in result["columns"].items():
         cold = v.get("cold_process") or {}
@@ -594,10 +800,11 @@ def markdown(header: str, results: dict, settings: ServeSettings, cuda: bool) ->
     text = header + describe_trace(settings) + "\n\n"
     if not cuda:
         text += NO_CUDA + "\n\n"
-    if settings.cold:
+    if settings.cold and not all(r.get("peers") for r in results.values()):
         text += COLD + "\n\n"
     for name, res in results.items():
-        text += f"## {name}\n\n" + tabulate(rows_of(res), headers=HEADERS, tablefmt="github") + "\n\n"
+        headers = PEER_HEADERS if res.get("peers") else HEADERS
+        text += f"## {name}\n\n" + tabulate(rows_of(res), headers=headers, tablefmt="github") + "\n\n"
     return text
 
 

@@ -769,7 +769,7 @@ def strict_precision(exact_sums: bool = True) -> None:
     reduced-precision reductions in fp16/bf16 products either. By default cuBLAS may sum split-K
     partials in the half type, and the reference is then the less accurate side: on GPT-2's LM head
     at 64 rows it is 0.0037 from the fp32 product, where an fp32-accumulating kernel is 0.0020, and
-    every such kernel was rejected (`benchmarks/2026-11-30-h200-session5/`). `bench` times the stock op
+    every such kernel was rejected (`benchmarks/2026-11-30-h200-packs-budget48/`). `bench` times the stock op
     as users run it (reduced reductions allowed) and checks against the exact-sum reference."""
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -998,7 +998,7 @@ def _placed_apart(placement: int, seed: int, device: torch.device):
     allocator would hand back the same blocks). The same small op timed in two H200 builds moved by up
     to a quarter while each build's interval stayed tight, and one benchmark's interval cannot see that;
     so `familyeval` times a point that loses again, placed elsewhere and on fresh inputs, before acting
-    on the loss (benchmarks/2026-12-04-h200-session15: stock's time moved most)."""
+    on the loss (benchmarks/2026-12-04-h200-envelope-confirmed-loss: stock's time moved most)."""
     if placement <= 0:
         yield
         return

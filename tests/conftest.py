@@ -68,3 +68,12 @@ def tiny_llama_dir(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("models") / "tiny-llama"
     LlamaForCausalLM(config).save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="session")
+def trained_lm_dir(tmp_path_factory) -> Path:
+    """The tiny grammar-trained LM, trained once per pytest run: its greedy tokens are decisive (no ties),
+    so a serving path that differs from eager shows as different tokens, not as noise."""
+    from forgepack.trainedlm import train_tiny_lm
+
+    return train_tiny_lm(tmp_path_factory.mktemp("models") / "trained-lm")

@@ -223,3 +223,17 @@ def test_extract_source_picks_the_block_with_the_entry_point():
     assert src is None and "does not define `forgepack_kernel`" in problem
     src, problem = extract_source("```cuda\nFP_EXPORT int32_t forgepack_kernel(", stop_reason="max_tokens")
     assert src is None and "token limit" in problem
+
+
+def test_a_local_model_behind_the_base_url_is_priced_by_the_override(server, monkeypatch, card):
+    """Ollama, llama.cpp and LiteLLM serve the Messages API too: a model the table does not know runs once
+    it is priced (0,0: free, so not `paid`), and the override prices a known model as well."""
+    monkeypatch.setenv("ANTHROPIC_API_KEY", "sk-local")
+    monkeypatch.delenv(prices.PRICE_ENV, raising=False)
+    server.script = [ok(f"```cuda\n{KERNEL}```", tokens=(5000, 1000)), ok(f"```cuda\n{KERNEL}```")]
+    p = AnthropicProposer(target="cuda", model="qwen2.5-coder:32b", base_url=server.url, price=(0.0, 0.0))
+    out = p.propose(card, None, [], [])
+    assert out.source == KERNEL and out.cost == 0.0 and not p.paid and p.adaptive
+    monkeypatch.setenv(prices.PRICE_ENV, "1,2")
+    q = AnthropicProposer(target="cuda", model="claude-sonnet-4-6", base_url=server.url)
+    assert q.paid and q.propose(card, None, [], []).cost == pytest.approx((1200 * 1 + 300 * 2) / 1e6)

@@ -62,7 +62,7 @@ def test_the_families_table_marks_points_timed_at_several_placements(monkeypatch
 
 
 def test_a_replay_under_todays_rule_serves_a_parity_point_a_build_once_cut(tmp_path):
-    # call 1 of benchmarks/2026-12-04-h200-session15: the residual add kept for batch 1-3 over batch 4's
+    # call 1 of benchmarks/2026-12-04-h200-envelope-confirmed-loss: the residual add kept for batch 1-3 over batch 4's
     # 0.968x [0.961, 1.000]; today's rule keeps it whole, and a loss at every placement stays cut
     def point(b, s, speedup, low, high, weight):
         return {"values": {"d0": b, "d1": s}, "weight": weight, "speedup": speedup, "ci_low": low, "ci_high": high,

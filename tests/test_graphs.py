@@ -269,7 +269,7 @@ def _attention_masks(run: graphs.GraphedForward) -> list:
 
 def test_an_encoder_capture_takes_the_eager_mask_shortcut_too():
     """ViT: under capture transformers 5.17 (the GPU image) expands an all-true bidirectional mask whose
-    last dim has stride 0, which no fused SDPA kernel accepts (session 4 measured every backend falling
+    last dim has stride 0, which no fused SDPA kernel accepts (measured: every backend fell
     back to math). With only pixel values from the caller, the capture passes no mask, as eager does.
     transformers 5.24 skips that mask under capture on its own; the replay must match eager on both."""
     from transformers import ViTConfig, ViTForImageClassification

@@ -85,7 +85,8 @@ def test_bench_engine_times_through_the_shared_loop(monkeypatch):
     r = recipe_mod.resolve("tiny-llama").replace(target={"device": "cpu"})
     result = bench.run(r, ["eager"], rounds=2, reps=1)
     assert calls == [["eager"]]
-    assert len(result["columns"]["eager"]["rounds_ms"]) == 2 and result["columns"]["eager"]["speedup"] == 1.0
+    rounds = result["columns"]["eager"]["rounds_ms"]
+    assert len(rounds) == 2 and all(ms > 0 for ms in rounds)  # eager timed once per round, really run
 
 
 def test_build_reads_the_profile_once_and_tells_the_proposer_the_device(tmp_path, monkeypatch):

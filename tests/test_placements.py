@@ -26,7 +26,7 @@ def _run(speedup, low, high, eager=8.0):
 
 
 def test_a_loss_at_one_placement_and_a_win_at_another_is_no_loss():
-    # the KV cache cat at batch 3, 720 tokens, in two H200 builds (benchmarks/2026-12-04-h200-session14)
+    # the KV cache cat at batch 3, 720 tokens, in two H200 builds (benchmarks/2026-12-04-h200-envelope-both-models)
     first, second = _run(0.85, 0.83, 0.90, eager=6.48), _run(1.15, 1.10, 1.19, eager=8.18)
     both = familyeval.pooled([first, second])
     assert both.ci_low == 0.83 and both.ci_high == 1.19 and not familyeval._slower(both.ci_high)

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from forgepack import profile, recipe, workspace
+from forgepack import models, profile, recipe, workspace
 from forgepack.capture import card_from_call
 from forgepack.devices import DeviceFacts
 from forgepack.roofline import card_bytes, card_flops, roofline
@@ -187,3 +187,27 @@ def test_profile_end_to_end_matches_plain_timing_on_gpu(tmp_path):
     classes = {(c.op_name, c.profile.baseline, c.profile.kernels) for c in cards}
     assert any(c.profile.baseline == "vendor" for c in cards), classes
     assert all(c.profile.kernels == () for c in cards if c.profile.baseline == "view"), classes
+    # The end-to-end time against a plain loop of the same forward (synchronised wall clock, median of
+    # rounds): a profile off by 2x either way fails; launch-bound at this size, so both see the same launches.
+    with models.quiet_transformers():
+        lm = models.load(r)
+    plain_ms = _plain_forward_ms(lm)
+    assert 0.5 < result.e2e_ms / plain_ms < 2.0, (result.e2e_ms, plain_ms)
+    assert result.kernel_ms is not None and 0 < result.kernel_ms <= result.e2e_ms * 1.05, result
+
+
+def _plain_forward_ms(lm, rounds: int = 9, loops: int = 10) -> float:
+    import statistics
+    import time
+
+    for _ in range(5):
+        lm.run()
+    torch.cuda.synchronize()
+    per = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(loops):
+            lm.run()
+        torch.cuda.synchronize()
+        per.append((time.perf_counter() - start) / loops * 1e3)
+    return statistics.median(per)

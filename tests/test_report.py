@@ -242,9 +242,9 @@ def test_reads_a_store_while_the_build_writes_it(tmp_path):
         writer.db.execute("BEGIN IMMEDIATE")  # the build holds the write lock mid-transaction
         writer.db.execute("UPDATE candidates SET state = 'evaluated', accepted = 1, speedup = 9.0 WHERE id = ?",
                           (ids["pending"],))
-        started = time.monotonic()
+        # the writer never commits while gather runs (same thread): a reader that waited for the lock
+        # would raise 'database is locked'; under WAL it reads the last committed snapshot instead
         data = report.gather(ws.root)
-        assert time.monotonic() - started < 5  # WAL: the reader did not wait for the writer
         pending = next(c for c in data.store.candidates if c.id == ids["pending"])
         assert pending.state == "pending"  # a consistent snapshot without the uncommitted verdict
         writer.db.execute("COMMIT")
@@ -433,7 +433,8 @@ def test_report_of_a_real_tiny_llama_build_in_headless_chromium(tmp_path):
     by_id = {s["id"]: s for s in facts["sections"]}
     for key in ("profile", "budget", "results", "trees"):  # a real build fills these
         assert by_id[key]["missing"] == [] and by_id[key]["text"] > 200, by_id[key]
-    assert by_id["pack"]["missing"] == ([] if wheels else by_id["pack"]["missing"])
+    if wheels:  # no wheel: the pack section may say what is missing, which is the refused story
+        assert by_id["pack"]["missing"] == [], by_id["pack"]
     assert {i["section"] for i in facts["images"]} >= {"profile", "budget", "results"}
     assert all(i["ok"] for i in facts["images"]), facts["images"]
     assert facts["best"] >= 1  # at least one card's best kernel is marked in its tree

@@ -3,9 +3,16 @@
 A real search (tiny-llama on cpu, the templates proposer, the store, the trees) runs on a real
 `LocalExecutor` with two evaluators, seen through `Jittered`, the `Executor` seam every executor
 implements: each verdict comes back after a seeded random delay (so results arrive in another order
-than they were submitted, as on a cluster), and its timings carry seeded noise of a few per cent (as a
-second run of the same build measures). Each distinct source is evaluated for real once and its
-verdict replayed under each run's own noise, so two runs differ only by what timing can change.
+than they were submitted, as on a cluster), and its times carry seeded noise of a few per cent (the
+machine a little faster or slower, as a loaded one is). Each distinct source is evaluated for real
+once and its verdict replayed under each run's own delays and noise, so two runs differ only by what
+timing can change.
+
+The noise moves a verdict's eager and kernel times together and leaves its speed-up, interval and
+acceptance as measured: the search decides on those ratios, and a perturbed ratio flips any comparison
+it lands near (the 5% margin, the allocator's 2% improvement, `tree.clearly_faster`), which real
+measurements on a loaded two-core machine land near often enough to make such a test fail by chance.
+What the search promises is that the same verdicts give the same calls however they arrive.
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ from forgepack.search.executor import LocalExecutor
 from forgepack.search.proposers import make
 from forgepack.workspace import Workspace
 
-NOISE = 0.01  # each verdict's speed-up and interval scaled by up to 1% either way
+NOISE = 0.03  # each verdict's eager and kernel times scaled together by up to 3% either way
 
 
 @pytest.fixture(scope="module")
@@ -81,10 +88,8 @@ class Jittered:
     def _noisy(self, verdict, noise: float):
         if verdict.speedup is None:
             return verdict
-        speedup, low, high = verdict.speedup * noise, verdict.ci_low * noise, verdict.ci_high * noise
-        accepted = accept_rule(speedup, low, self.margin)
-        return dataclasses.replace(verdict, speedup=speedup, ci_low=low, ci_high=high, accepted=accepted,
-                                   category=None if accepted else "slower")
+        assert verdict.accepted == accept_rule(verdict.speedup, verdict.ci_low, self.margin)
+        return dataclasses.replace(verdict, eager_us=verdict.eager_us * noise, kernel_us=verdict.kernel_us * noise)
 
     def summary(self) -> str:
         return self.inner.summary()

@@ -4,7 +4,9 @@ CPU: the emulated backend (a recorded aten trace replayed on the same tensors, n
 tiny Llama saved with random weights and loaded through `from_pretrained`: buckets, batch and prompt
 padding, the cache rewound after a padded prefill, teacher-forced logits of every step against eager,
 replays counted, a caller's static cache, no_grad and inference_mode, transformers' compile kept off.
-GPU (`gpu` marker): the same with real CUDA graphs.
+The tiny grammar-trained model (forgepack/trainedlm.py) has decisive greedy tokens, so on it the served
+tokens are compared with eager's unconditionally.
+GPU (`gpu` marker): the same with real CUDA graphs, token for token on the trained model.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import pytest
 import torch
 
 from forgepack.runtime import compare, graphs, serving
+from forgepack.trainedlm import follows_grammar, grammar_prompts
 
 EMU = {"backend": "emulate"}
 # decode_loop off: these tests count generate()'s own forward calls (tests/test_decodeloop.py: the loop)
@@ -575,51 +578,106 @@ def test_serving_imports_only_torch_the_standard_library_graphs_and_the_decode_l
     from pathlib import Path
 
     roots = set()
-    for node in ast.walk(ast.parse(Path(serving.__file__).read_text())):
+    source = Path(serving.__file__).read_text() + Path(serving.__file__).with_name("servereq.py").read_text()
+    for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
             roots |= {alias.name.split(".")[0] for alias in node.names}
         elif isinstance(node, ast.ImportFrom) and node.level:
-            assert node.module is None and [a.name for a in node.names] == ["decodeloop", "graphs"], ast.dump(node)
+            names = [a.name for a in node.names]
+            assert ((node.module is None and set(names) <= {"decodeloop", "graphs"})
+                    or node.module == "servereq"), ast.dump(node)
         elif isinstance(node, ast.ImportFrom):
             roots.add(node.module.split(".")[0])
     assert roots - {"torch", "__future__", "transformers"} <= set(sys.stdlib_module_names), roots
+
+
+# --- the trained model: greedy tokens are decisive ----------------------------------------------------
+
+TRAINED_LENGTHS = (9, 10, 12, 13, 17)  # four prompts pad to the 16-token rung (the 4th replays it), one to 32
+TRAINED_NEW = 10
+
+
+def trained_prompts(index: int, length: int, device: str, left_pad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Three grammar prompts of `length` (a different three per index); row 0 left-padded by 3 tokens."""
+    rows = grammar_prompts(3 * len(TRAINED_LENGTHS), length=length)[3 * index:3 * index + 3]
+    ids = torch.tensor(rows, device=device)
+    mask = torch.ones_like(ids)
+    if left_pad:
+        ids[0, :3], mask[0, :3] = 0, 0
+    return ids, mask
+
+
+def served_matches_eager_token_for_token(model, twin, device: str, tolerance: float, left_pad: bool = True) -> None:
+    """Greedy tokens of the served model are eager's exactly, every request, no escape: the trained model's
+    top-1 logit leads by a wide margin (tests/test_trainedlm.py), so rounding cannot flip one, and a serving
+    bug (a wrong mask, a stale cache row, a replay on old inputs) shows as a different token. The tokens
+    also walk the grammar, so eager itself is checked, and the per-step logits agree within `tolerance`."""
+    with torch.no_grad():
+        for index, length in enumerate(TRAINED_LENGTHS):
+            ids, mask = trained_prompts(index, length, device, left_pad)
+            out = generate(model, ids, new=TRAINED_NEW, attention_mask=mask)
+            ref = generate(twin, ids, new=TRAINED_NEW, attention_mask=mask)
+            assert torch.equal(out.sequences, ref.sequences), (length, out.sequences, ref.sequences)
+            for row in out.sequences[:, length - 1:].tolist():
+                assert follows_grammar(row), (length, row)
+            assert scale_error(torch.stack(ref.logits), torch.stack(out.logits)) < tolerance
+
+
+def trained_decode_replays(server, decode_loop: bool) -> int:
+    stats = server.stats()
+    assert stats["served_requests"] == len(TRAINED_LENGTHS) and not stats["eager_requests"], stats
+    assert stats["graphs"]["fallbacks"] == 0, stats
+    assert stats["buckets"]["prefill b4 s16 c64"]["replays"] >= 1, stats
+    buckets = stats["decode_loop"]["buckets"] if decode_loop else stats["buckets"]
+    return buckets["decode b4 c64"]["replays"]
+
+
+@pytest.mark.parametrize("decode_loop", [False, True], ids=["generate-loop", "decode-loop"])
+def test_a_trained_model_s_served_tokens_are_eager_s_over_buckets_and_padding(trained_lm_dir, decode_loop):
+    """Emulated graphs: prompt lengths over two rungs, a batch of 3 padded to its bucket of 4, through
+    generate()'s own loop (with a left-padded row) and forgepack's decode loop (which leaves a padding mask
+    to generate()'s loop, so its prompts are unpadded); the decode steps replayed."""
+    model, twin = load(trained_lm_dir), load(trained_lm_dir)
+    server = serving.serve(model, **EMU, **{**SMALL, "decode_loop": decode_loop})
+    try:
+        served_matches_eager_token_for_token(model, twin, "cpu", 1e-5, left_pad=not decode_loop)
+        steps = len(TRAINED_LENGTHS) * (TRAINED_NEW - 1)
+        assert trained_decode_replays(server, decode_loop) == steps - 2  # two warm-ups, then captured once
+    finally:
+        serving.stop(model)
 
 
 # --- real CUDA graphs ----------------------------------------------------------------------------------
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("decode_loop", [False, True], ids=["generate-loop", "decode-loop"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gpu_generate_replays_and_matches_eager(tiny_llama_dir, dtype):
-    model, twin = load(tiny_llama_dir, "cuda", dtype), load(tiny_llama_dir, "cuda", dtype)
-    server = serving.serve(model, cache_lengths=(64, 128), prompt_buckets=(8, 16, 32), decode_loop=False)
+def test_gpu_generate_replays_and_matches_eager(trained_lm_dir, dtype, decode_loop):
+    """Real CUDA graphs, the trained model: served tokens are eager's exactly in float32 and bfloat16 (its
+    logit margins dwarf bf16 rounding), logits within the pack's model tolerance, the decode steps replayed."""
+    model, twin = load(trained_lm_dir, "cuda", dtype), load(trained_lm_dir, "cuda", dtype)
+    server = serving.serve(model, cache_lengths=(64, 128), prompt_buckets=(8, 16, 32), decode_loop=decode_loop)
     try:
-        with torch.no_grad():
-            for length in (9, 12, 14, 10):
-                ids = torch.randint(1, 256, (3, length), device="cuda")
-                out, ref = generate(model, ids, new=8), generate(twin, ids, new=8)
-                steps = torch.stack(out.logits)
-                # teacher-forced, not token by token: random weights have near-ties that a few ulps flip
-                tolerance = 1e-4 if dtype == torch.float32 else 5e-2  # the pack's model tolerance in bf16
-                assert scale_error(teacher_forced(twin, out.sequences, length), steps) < tolerance
-                assert scale_error(torch.stack(ref.logits), steps) < tolerance or not torch.equal(
-                    out.sequences, ref.sequences)
-        stats = server.stats()
-        assert stats["buckets"]["decode b4 c64"]["replays"] == 4 * 7 - 2, stats
-        assert stats["buckets"]["prefill b4 s16 c64"]["replays"] >= 1 and stats["graphs"]["fallbacks"] == 0, stats
+        tolerance = 1e-4 if dtype == torch.float32 else 5e-2  # the pack's model tolerance in bf16
+        served_matches_eager_token_for_token(model, twin, "cuda", tolerance, left_pad=not decode_loop)
+        steps = len(TRAINED_LENGTHS) * (TRAINED_NEW - 1)
+        assert trained_decode_replays(server, decode_loop) == steps - 2
     finally:
         serving.stop(model)
 
 
 @pytest.mark.gpu
-def test_gpu_inference_mode_capture(tiny_llama_dir):
-    model, twin = load(tiny_llama_dir, "cuda"), load(tiny_llama_dir, "cuda")
+def test_gpu_inference_mode_capture(trained_lm_dir):
+    model, twin = load(trained_lm_dir, "cuda"), load(trained_lm_dir, "cuda")
     server = serving.serve(model, cache_lengths=(64,), prompt_buckets=(16,), decode_loop=False)
     try:
-        ids = torch.randint(1, 256, (2, 9), device="cuda")
+        ids = torch.tensor(grammar_prompts(2, length=9), device="cuda")
         with torch.inference_mode():
+            ref = generate(twin, ids, new=8)
             for _ in range(4):  # prefill: a fresh cache's call, two warm-ups, the capture
                 out = generate(model, ids, new=8)
+                assert torch.equal(out.sequences, ref.sequences), (out.sequences, ref.sequences)
             steps = torch.stack(out.logits)
             assert scale_error(teacher_forced(twin, out.sequences, 9), steps) < 1e-4
         stats = server.stats()

@@ -296,7 +296,11 @@ def test_spaces_defaults_and_neighbours():
         for p in near:
             assert sum(p[k] != first[k] for k in space) == 1
             assert all(p[k] in v for k, v in space.items())
-        assert t.space(_card(op, args, kwargs), "cpu") == {}
+        cpu_card = _card(op, args, kwargs)
+        cpu_space, cpu_first = t.space(cpu_card, "cpu"), t.default(cpu_card, "cpu")
+        assert set(cpu_first) == set(cpu_space) and all(cpu_first[k] in v for k, v in cpu_space.items())
+        for p in neighbours(t, cpu_card, "cpu", cpu_first):  # every cpu point renders, each its own source
+            assert t.render(cpu_card, "cpu", p) != t.render(cpu_card, "cpu", cpu_first)
     card = on_device(_card(A.relu.default, (_x(4, 8),), {}), "cuda")
     t = by_name("elementwise.unary")
     with pytest.raises(ValueError, match="not one of"):
@@ -367,7 +371,7 @@ def test_verifier_catches_a_wrong_template_kernel(evaluator):
     exact = _card(A.gelu.default, (_x(4, 64),), {})
     tanh = _card(A.gelu.default, (_x(4, 64),), {"approximate": "tanh"})
     t = by_name("elementwise.unary")
-    verdict = evaluator.evaluate(exact, t.render(tanh, "cpu", {}), bench=False)
+    verdict = evaluator.evaluate(exact, t.render(tanh, "cpu", t.default(tanh, "cpu")), bench=False)
     assert not verdict.accepted and verdict.category in ("mismatch", "crash")
 
 
@@ -388,8 +392,10 @@ def test_every_served_variant_of_a_captured_model_verifies(recipe_name, evaluato
         path = tmp_path / f"{card.id}.safetensors"
         card = dataclasses.replace(card, samples=samples.save_samples(path, cap.samples[card.id]))
         for t in found:
-            verdict = evaluator.evaluate(card, t.render(card, "cpu", {}), samples_path=path, bench=False)
-            assert verdict.accepted, f"{t.name} on {card.op} [{card.signature()}]: {verdict.reason}"
+            # the default and every point next to it: each cpu point of the space computes the op
+            for p in [t.default(card, "cpu"), *neighbours(t, card, "cpu", t.default(card, "cpu"))]:
+                verdict = evaluator.evaluate(card, t.render(card, "cpu", p), samples_path=path, bench=False)
+                assert verdict.accepted, f"{t.name} {p} on {card.op} [{card.signature()}]: {verdict.reason}"
             served += 1
     assert served >= {"tiny-llama": 15, "tiny-resnet": 4, "tiny-bert": 5}[recipe_name]
 

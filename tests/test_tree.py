@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import doctest
+import math
 
 import pytest
 
@@ -23,7 +24,9 @@ def test_reward_is_normalised_log_speedup():
     assert normalised_reward(0.5, 4.0) == pytest.approx(0.25)
     assert normalised_reward(100.0, 4.0) == 1.0 and normalised_reward(0.001, 4.0) == 0.0
     # the same relative gain scores the same on a 1 us op and a 1 ms op: no raw milliseconds
-    assert normalised_reward(1.5, 3.0) == normalised_reward(1.5, 3.0)
+    # (reward takes a ratio of times, so 1.5 us / 1.0 us and 1.5 ms / 1.0 ms score alike)
+    assert normalised_reward(1.5e-6 / 1.0e-6, 3.0) == pytest.approx(normalised_reward(1.5e-3 / 1.0e-3, 3.0))
+    assert normalised_reward(1.5, 3.0) == pytest.approx((math.log(1.5) / math.log(3.0) + 1) / 2)
     assert doctest.testmod(tree_mod).failed == 0
 
 

@@ -79,7 +79,7 @@ def build(r: recipe.Recipe, root: Path, strategy: str = "allocator") -> tuple[Pa
            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     start = time.perf_counter()
     # The build's progress passes through to our stderr: a build cut by a device call's limit still
-    # says how far it got (session 10 lost a 400 s call to a silent one).
+    # says how far it got (the 2026-12-01-h200-serving-graphs run lost a 400 s call to a silent one).
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=env, check=False)
     seconds = time.perf_counter() - start
     if proc.returncode != 0:

@@ -5,6 +5,7 @@ runs the same engine); this script keeps its command line and writes its results
 
     python tools/bench_serve.py                                 # CUDA: llama-1b and qwen2-0.5b shapes
     python tools/bench_serve.py --models tiny-llama --requests 4 --prompt 16,64 --new 8,16   # CPU smoke
+    python tools/bench_serve.py --peers --models llama-1b-decode --rounds 5   # fair peers, a process each
 Output: `<out>/results/bench_serve-<models>.json` and `.md` (date, device, commit, command).
 """
 
@@ -57,6 +58,9 @@ def main() -> int:
     parser.add_argument("--no-cold", action="store_true", help="leave out the cold-process first request")
     parser.add_argument("--no-loop-column", action="store_true",
                         help="leave out the graphs column served through generate()'s own loop (decode_loop=False)")
+    parser.add_argument("--peers", action="store_true",
+                        help="the fair peers: each column (eager, static-pinned, compiled-loop, graphs, pack+graphs) "
+                             "in a fresh process of its own, rounds in a rotating order")
     parser.add_argument("--budget-s", type=float, default=defaults.budget_s,
                         help="per model: compiled columns' turns are skipped (and say so) after this many seconds")
     parser.add_argument("--out", default=None, help="output folder (default ${OUT:-benchmarks/out}/results)")
@@ -73,10 +77,14 @@ def main() -> int:
     if args.out:
         os.environ["OUT"] = args.out
     with contextlib.ExitStack() as stack:
-        pack = servebench.load_pack(args.pack, stack)
         info = benchlib.meta()
-        results = {name: servebench.bench_model(recipe.resolve(name), settings, pack, say, label=name,
-                                                pack_spec=args.pack) for name in names}
+        if args.peers:
+            results = {name: servebench.bench_peers(recipe.resolve(name), settings, args.pack, say, label=name)
+                       for name in names}
+        else:
+            pack = servebench.load_pack(args.pack, stack)
+            results = {name: servebench.bench_model(recipe.resolve(name), settings, pack, say, label=name,
+                                                    pack_spec=args.pack) for name in names}
     name = "bench_serve-" + "-".join(names)  # one run per model can share an --out folder
     header = benchlib.header_md(servebench.TITLE, info)
     markdown = servebench.markdown(header, results, settings, torch.cuda.is_available())

@@ -3,8 +3,8 @@
 Each recipe's columns come from a single run (measured side by side, rounds interleaved); recipes from
 different runs are only put next to each other, never divided by one another.
 
-    python tools/plot_packs.py benchmarks/2026-11-30-h200-session2/packs-*.json \
-        --out benchmarks/2026-11-30-h200-session2/packs-summary
+    python tools/plot_packs.py benchmarks/2026-11-30-h200-lanes-graph-mode/packs-*.json \
+        --out benchmarks/2026-11-30-h200-lanes-graph-mode/packs-summary
 """
 
 from __future__ import annotations

@@ -59,6 +59,9 @@ def bench_command(
                                                                   "columns")] = False,
     no_cold: Annotated[bool, typer.Option("--no-cold", help=f"{SERVE}: leave out the first request from a cold "
                                                             "process")] = False,
+    peers: Annotated[bool, typer.Option("--peers", help=f"{SERVE}: the fair peers, each column in a fresh "
+                                                        "process (eager, static-pinned, compiled-loop, graphs, "
+                                                        "pack+graphs), >= 5 rounds advised")] = False,
     budget_s: Annotated[float | None, typer.Option("--budget-s", help=f"{SERVE}: compiled columns' turns are "
                                                                       "skipped after this many seconds "
                                                                       "(default 480)")] = None,
@@ -69,7 +72,7 @@ def bench_command(
     with --serve, time real generate() calls over a mixed trace of requests instead."""
     serve_flags = {"--requests": requests, "--batches": batches, "--prompt": prompt, "--new": new, "--seed": seed,
                    "--agree": agree, "--budget-s": budget_s, "--no-compile": no_compile or None,
-                   "--no-cold": no_cold or None}
+                   "--no-cold": no_cold or None, "--peers": peers or None}
     bench_flags = {"--reps": reps, "--columns": columns, "--compile-backend": compile_backend,
                    "--compile-mode": compile_mode, "--batch": batch, "--seq-len": seq_len}
     wrong = [flag for flag, value in (bench_flags if serve else serve_flags).items() if value is not None]
@@ -81,7 +84,7 @@ def bench_command(
         settings = servebench.ServeSettings.parse(
             batches or "1,2,4,8", prompt or "16,2048", new or "64,256", no_compile=no_compile, cold=not no_cold,
             **{k: v for k, v in given.items() if v is not None})
-        serve_command(resolve(model, target=target, dtype=dtype), settings, pack, workspace, as_json)
+        serve_command(resolve(model, target=target, dtype=dtype), settings, pack, workspace, as_json, peers)
         return
     names = [c.strip() for c in (columns or DEFAULT_COLUMNS).split(",") if c.strip()]
     recipe = resolve(model, target=target, dtype=dtype, batch=batch, seq_len=seq_len)
@@ -97,13 +100,17 @@ def bench_command(
 
 
 def serve_command(recipe, settings: servebench.ServeSettings, pack: str | None, workspace: str | None,
-                  as_json: bool) -> None:
-    """The serving benchmark on one recipe: `serve_bench.json` in the workspace, a table or JSON."""
+                  as_json: bool, peers: bool = False) -> None:
+    """The serving benchmark on one recipe: `serve_bench.json` in the workspace, a table or JSON.
+    `peers`: every column in a fresh process of its own (servebench.bench_peers)."""
     from forgepack import models
 
     with contextlib.ExitStack() as stack, models.quiet_transformers(), progress("serving benchmark") as note:
-        module = servebench.load_pack(pack, stack)
-        result = servebench.bench_model(recipe, settings, module, note, pack_spec=pack)
+        if peers:
+            result = servebench.bench_peers(recipe, settings, pack, note)
+        else:
+            module = servebench.load_pack(pack, stack)
+            result = servebench.bench_model(recipe, settings, module, note, pack_spec=pack)
     doc = {"recipe": recipe.name, "device": str(models.target_device(recipe)), "dtype": recipe.workload.dtype,
            "pack": pack, "settings": dataclasses.asdict(settings), **result}
     ws = workspace_for(recipe, workspace)
@@ -117,13 +124,13 @@ def serve_command(recipe, settings: servebench.ServeSettings, pack: str | None, 
 
 def serve_table(doc: dict[str, Any], settings: servebench.ServeSettings) -> Table:
     t = Table(title=f"{doc['recipe']} on {doc['device']} ({doc['dtype']}): {servebench.describe_trace(settings)}")
-    for name in servebench.HEADERS:
+    for name in servebench.PEER_HEADERS if doc.get("peers") else servebench.HEADERS:
         t.add_column(name, justify="left" if name in ("column", "note") else "right")
     for row in servebench.rows_of(doc):
         t.add_row(*("" if v is None or v is False else str(v) for v in row))
     if not doc["device"].startswith("cuda"):
         console.print(servebench.NO_CUDA)
-    if settings.cold:
+    if settings.cold and not doc.get("peers"):
         console.print(servebench.COLD)
     return t
 

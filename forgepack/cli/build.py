@@ -8,6 +8,7 @@ Killed at any point, the same command continues from the workspace's store.
 from __future__ import annotations
 
 import json
+import os
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated
@@ -21,7 +22,7 @@ from forgepack import pipeline
 from forgepack.cli.common import console, out, progress, resolve, steps, workspace_for
 from forgepack.errors import ForgepackError, UsageError
 from forgepack.recipe import DEFAULT_RECIPE, TASKS, BuildSettings, Recipe
-from forgepack.search import run
+from forgepack.search import prices, run
 from forgepack.search.allocator import Decision, PlanRow
 from forgepack.search.store import CallRecord, CandidateRecord
 
@@ -31,6 +32,7 @@ def register(app: typer.Typer) -> None:
 
 
 DEFAULTS = BuildSettings()
+BASE_URL_ENVS = {"openai": "OPENAI_BASE_URL", "anthropic": "ANTHROPIC_BASE_URL"}
 
 
 def build_command(
@@ -44,11 +46,17 @@ def build_command(
         help="proposer calls to spend (total in the workspace)",
         show_default=f"the recipe's build.budget, else {DEFAULTS.budget}")] = None,
     proposer: Annotated[str | None, typer.Option(
-        help="templates (offline, free) or anthropic (Claude)",
+        help="templates (offline, free), anthropic (Claude) or openai (any chat-completions server)",
         show_default=f"the recipe's build.proposer, else {DEFAULTS.proposer}")] = None,
     llm_model: Annotated[str | None, typer.Option(
-        "--llm-model", help="Claude model for --proposer anthropic",
+        "--llm-model", help="the model an LLM proposer asks for (openai: default gpt-5)",
         show_default=f"the recipe's build.llm_model, else {DEFAULTS.llm_model}")] = None,
+    llm_base_url: Annotated[str | None, typer.Option(
+        "--llm-base-url", help="the LLM server's API root, e.g. http://127.0.0.1:8000/v1 for a local one "
+                               "(default: OPENAI_BASE_URL / ANTHROPIC_BASE_URL, else the provider's)")] = None,
+    llm_price: Annotated[str | None, typer.Option(
+        "--llm-price", help="IN,OUT dollars per million tokens for a model the price table does not know; "
+                            "0,0 for a local server (free: not counted against --max-cost)")] = None,
     old_llm_model: Annotated[str | None, typer.Option("--model", hidden=True, help="deprecated: --llm-model")] = None,
     explain: Annotated[bool, typer.Option("--explain", help="print why each call went where it did")] = False,
     max_cost: Annotated[float | None, typer.Option("--max-cost", help="cap on LLM spend, US dollars")] = None,
@@ -95,6 +103,7 @@ def build_command(
              "gate": False if no_gate else None, "time_limit": time_limit}
     recipe = resolve(spec, target=target, task=task, dtype=dtype, batch=batch, seq_len=seq_len, build=build,
                      phase=phase)
+    llm_environment(recipe.build.proposer, llm_base_url, llm_price)
     ws = workspace_for(recipe, workspace)
     # --json: stdout holds the JSON alone; the progress and the tables go to stderr, so a long build's
     # log still says how far it got
@@ -114,6 +123,17 @@ def build_command(
         console.print(f"no pack written ({packed.gate}): no kernel was accepted and kept; see the tables above")
     if packed.refused:  # the gate would not ship a pack that is slower or changes outputs: a failed build
         raise ForgepackError(f"no pack written: {packed.refused}")
+
+
+def llm_environment(proposer: str | None, base_url: str | None, price: str | None) -> None:
+    """The LLM flags as the environment the proposers read (the recipe has no fields for them), set for
+    this process only: the build and the workers it starts."""
+    if price is not None:
+        os.environ[prices.PRICE_ENV] = ",".join(str(p) for p in prices.parse_price(price))
+    if base_url is not None:
+        if proposer not in BASE_URL_ENVS:
+            raise UsageError(f"--llm-base-url needs --proposer {' or '.join(BASE_URL_ENVS)}")
+        os.environ[BASE_URL_ENVS[proposer]] = base_url
 
 
 def last_lines(wheel: Path, package: str, gate: str) -> str:

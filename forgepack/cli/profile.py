@@ -52,6 +52,7 @@ def show(result: profile_mod.ModelProfile, cards, top: int) -> None:
     """The operator table (shares add up to 100%), then the fusion chains apart: a chain's share
     overlaps the operator calls it replaces."""
     ops, chains = profile_mod.operators_and_chains(cards)
+    out.print(resolved_line(result))
     out.print(operator_table(result, ops, top))
     if chains:
         out.print(chain_table(chains, top))
@@ -59,6 +60,12 @@ def show(result: profile_mod.ModelProfile, cards, top: int) -> None:
     out.print(f"end to end: {result.e2e_ms:.2f} ms   aten calls: {result.aten_calls}   variants: {result.variants}   "
               f"summed op time: {result.op_time_ms:.2f} ms   GPU busy: {busy}")
     out.print(f"diagnosis: {result.diagnosis}")
+
+
+def resolved_line(result: profile_mod.ModelProfile) -> str:
+    """What the model argument resolved to: a directory or hub id's task and class are guesses to check."""
+    return (f"resolved: task {result.task}   class {result.model_class}   dtype {result.dtype}   "
+            f"device {result.device}   shapes {result.shapes}")
 
 
 def operator_table(result: profile_mod.ModelProfile, ops, top: int) -> Table:

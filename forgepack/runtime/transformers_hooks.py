@@ -130,15 +130,15 @@ def _install_mask_hooks(mu: Any, iu: Any) -> list[Callable[[], None]]:
 # With a data-dependent mask (a static cache's decode step, with or without a caller's padding mask)
 # transformers builds one boolean mask per forward and passes it to every layer's `sdpa_attention_forward`,
 # and SDPA converts it to an additive mask in every layer: two fills and a `where`, 48 kernels per Llama-1B decode step
-# (H200, `benchmarks/2026-11-30-h200-session6`). For a capture, and only in the capturing thread, the
+# (H200, `benchmarks/2026-11-30-h200-llama-decode-graphs`). For a capture, and only in the capturing thread, the
 # "sdpa" entry of transformers' attention registry converts a boolean mask once (per mask object and
 # version) and hands the additive mask to transformers' own function, which then runs as before.
 # Only calls of one query token are converted: that row always has an unmasked position (the token
 # itself), where any large negative value gives the same bits. A prompt with padding has rows with
 # nothing to attend to, whose result depends on the value SDPA picks per backend: those calls, and calls
 # with a position bias (transformers combines the two itself), keep their boolean mask.
-# Session 6 also tried running decode attention with a group's query heads as query rows (no repeated
-# key/value heads): cuDNN then took a 64-row wgmma kernel, 13 µs per layer against 7 µs, so no.
+# The 2026-11-30-h200-llama-decode-graphs run also tried running decode attention with a group's query heads as query
+# rows (no repeated key/value heads): cuDNN then took a 64-row wgmma kernel, 13 µs per layer against 7 µs, so no.
 
 _ROUTE_HOOKS = CaptureHooks()  # transformers' "sdpa" registry entry, converting the mask once
 _ROUTE_LOCAL = threading.local()  # .masks: {id(bool mask): (mask, version, additive)} for this capture

@@ -29,6 +29,7 @@ from typing import Any
 
 from forgepack import accepted as accepted_mod
 from forgepack import needs as needs_mod
+from forgepack import packreport
 from forgepack.accepted import AcceptedKernel
 from forgepack.cards import Card
 from forgepack.errors import ForgepackError
@@ -40,7 +41,10 @@ from forgepack.search.store import CallRecord, CandidateRecord, Store, VerdictRo
 from forgepack.search.tree import Tree, TreeConfig
 from forgepack.workspace import Workspace
 
-FLOOR_US = {"cuda": 2.0, "cpu": 1.0}  # no kernel launch + run is faster than this (allocator headroom)
+# no kernel launch + run is faster than this (allocator headroom). On the cpu a kernel is a function call
+# from the shim: tiny-llama's cat ran in 0.58 us, so a 1 us floor capped its headroom at 3.2x below the
+# 5.5x its first kernel reached, and the card was dropped as "at its ceiling" after one call
+FLOOR_US = {"cuda": 2.0, "cpu": 0.1}
 FEEDBACK_CHARS = 2000
 
 
@@ -179,12 +183,12 @@ class Search:
         # a free deterministic one (templates) proposes untried points in parallel.
         self.cfg = settings.allocator or Config(
             floor_us=FLOOR_US.get(settings.target, 1.0), margin=settings.margin,
-            max_pending=1 if proposer.paid else None,
+            max_pending=1 if proposer.adaptive else None,
         )
         self.store = store or Store(workspace.store_path)
         self.reporter = reporter or Reporter()
         self.decide = allocator.STRATEGIES[settings.strategy]
-        self._unsupported = {c.id: proposer.unsupported(c) for c in cards}
+        self._unsupported = unsearchable(workspace, cards, proposer, settings.target)
         self.exhausted: set[str] = set()
         self.history: dict[int, CallResult] = {}  # call id -> result, in call order
         self.call_candidate: dict[int, int] = {}  # call id -> the new candidate it made
@@ -273,11 +277,9 @@ class Search:
                 return (f"time limit: {spent} of {self.settings.budget} {self.proposer.name} calls spent when the "
                         f"next call would end past it (a later build with more time continues)")
         if self.settings.max_cost is not None and self.proposer.paid:
-            _, _, dollars = self.store.spend()
-            paid_calls = max(1, self.store.calls_spent(self.proposer.name))
-            expected_next = dollars / paid_calls  # the average call so far
-            if dollars + expected_next > self.settings.max_cost or self.settings.max_cost <= 0:
-                return f"cost cap: ${dollars:.2f} spent, the next call would pass ${self.settings.max_cost:.2f}"
+            _, _, dollars = self.store.spend()  # each call's worst case is checked as it is made (`_over_cap`)
+            if dollars >= self.settings.max_cost:
+                return f"cost cap: ${dollars:.4f} spent of ${self.settings.max_cost:.4f}"
         return None
 
     # --- the loop --------------------------------------------------------------------------------
@@ -292,6 +294,10 @@ class Search:
             self._submit(cand)
         if self.inflight:
             self.reporter.note(f"resuming: {len(self.inflight)} proposed candidates still to evaluate")
+        gated = sorted(cid for cid, why in self._unsupported.items() if why and why.startswith(GATE_DROPPED))
+        if gated:
+            self.reporter.note(f"{len(gated)} cards get no calls, the end-to-end gate dropped their kernels: "
+                               + ", ".join(gated))
         remaining = max(0, self.settings.budget - self.store.calls_spent(self.proposer.name))
         plan = allocator.plan(self.states(), remaining, self.cfg, self.settings.strategy)
         self.reporter.plan(plan, remaining)
@@ -327,15 +333,18 @@ class Search:
                     self._take_oldest()
                     continue
                 return decision.reason
-            self._call(decision)
+            stop = self._call(decision)
+            if stop:
+                return stop
 
-    def _call(self, decision: Decision) -> None:
+    def _call(self, decision: Decision) -> str | None:
+        """Make the decided call; returns why the search stops instead (the call could pass the cost cap)."""
         card, tree = self.cards[decision.card_id], self.trees[decision.card_id]
         while True:
             node = tree.select()
             if node is None:
                 self.exhausted.add(card.id)
-                return
+                return None
             parent = None
             if node.id is not None:
                 parent_rec = self.store.candidate(node.id)
@@ -348,15 +357,38 @@ class Search:
                     kernel_us=node.kernel_us,
                 )
             tried = frozenset(n.params_key() for n in tree.nodes.values())
+            lineage, feedback = tree.lineage(node), tree.feedback(node)
+            over = self._over_cap(card, parent, lineage, feedback)
+            if over:
+                return over
             try:
                 started = time.monotonic()
-                proposal = self.proposer.propose(card, parent, tree.lineage(node), tree.feedback(node), tried)
+                proposal = self.proposer.propose(card, parent, lineage, feedback, tried)
                 seconds = time.monotonic() - started
             except NothingToPropose:
                 tree.mark_exhausted(node)
                 continue
             self._record(card, tree, node.id, proposal, decision, seconds)
-            return
+            return None
+
+    def _over_cap(self, card: Card, parent: Parent | None, lineage: Sequence[Any],
+                  feedback: Sequence[str]) -> str | None:
+        """Why this call may not be made under `max_cost`: its worst case (the proposer's bound for this
+        very prompt, at the most output it allows) could pass the cap. Checked before every call, the
+        first included: an average of the calls so far says nothing before the first and too little after."""
+        cap = self.settings.max_cost
+        if cap is None or not self.proposer.paid:
+            return None
+        _, _, spent = self.store.spend()
+        bound = getattr(self.proposer, "worst_case_cost", None)
+        if bound is None:
+            return (f"cost cap: the {self.proposer.name} proposer states no worst-case cost of a call, so no call "
+                    f"can be shown to stay under ${cap:.2f}")
+        worst = float(bound(card, parent, lineage, feedback))
+        if spent + worst > cap:
+            return (f"cost cap: ${spent:.4f} spent; the next call ({card.id}) could cost up to ${worst:.4f}, "
+                    f"past the ${cap:.4f} cap")
+        return None
 
     def _record(
         self, card: Card, tree: Tree, parent_id: int | None, proposal: Proposal, decision: Decision, seconds: float
@@ -489,6 +521,45 @@ class Search:
         if stated is None or stated == needs_mod.default(card) or familyeval.element_aligned(rec.verdict):
             return stated
         return None
+
+
+GATE_DROPPED = "the end-to-end gate dropped its kernel"
+
+
+def unsearchable(workspace: Workspace, cards: Sequence[Card], proposer: Proposer, target: str) -> dict[str, str | None]:
+    """Per card, why no call may go to it (None: calls may): the proposer cannot write its kernels, the
+    pack could never dispatch one (a factory op such as `arange` has no tensor to guard on), or the
+    workspace's last pack dropped its kernel at the end-to-end gate (a faster kernel alone would not pay
+    in the model either). Each reason is the allocator's drop reason, so the plan and `--explain` show it."""
+    from forgepack.pack import shimgen
+
+    includes = shimgen.torch_include_dirs()
+    gated = gate_drops(workspace)
+    return {c.id: proposer.unsupported(c) or dispatch_reason(c, target, includes) or gated.get(c.id) for c in cards}
+
+
+def dispatch_reason(card: Card, target: str, includes: list[Path] | None = None) -> str | None:
+    """Why the pack's guarded dispatch could never serve a kernel for `card`, or None."""
+    from forgepack.pack import fusedgen, shimgen
+
+    if card.kind == "fusion":
+        why = fusedgen.unsupported_reason(card, target)
+    else:
+        why = shimgen.unsupported_reason(card, target, includes)
+    return f"the pack cannot dispatch it: {why}" if why else None
+
+
+def gate_drops(workspace: Workspace) -> dict[str, str]:
+    """Cards whose kernel the workspace's last pack dropped at the end-to-end gate, with the gate's reason.
+    A pack refused as a whole (it would not pay) drops no card for good: each of its kernels paid alone."""
+    if not (workspace.root / packreport.FILE).is_file():
+        return {}
+    try:
+        report = packreport.PackReport.from_json(workspace.read_json(packreport.FILE))
+    except (ValueError, KeyError, TypeError):
+        return {}  # an unreadable report holds no verdicts; the next pack writes a new one
+    return {d.card_id: f"{GATE_DROPPED} in the last pack: {d.reason}" for d in report.dropped
+            if d.stage == "gate" and not (report.refused and d.reason == report.refused)}
 
 
 def call_result(cand: CandidateRecord) -> CallResult:

@@ -496,6 +496,8 @@ class Template:
     def render(self, card: Card, target: str, params: dict) -> str:
         """Complete kernel source for the ABI at this parameter point."""
         plan = self._plan_or_raise(card, target)
+        if target == "cpu" and not params:  # cpu callers from before the cpu axes existed: the default point
+            params = self.default(card, target)
         check_params(self.name, self._axes(plan, target), params)
         if isinstance(plan, FamilyPlan):
             return self.family_emit(card, plan, target, dict(params))

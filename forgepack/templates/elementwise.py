@@ -117,15 +117,18 @@ def vec_axis(jobs: list[Job]) -> list[int]:
     return options
 
 
+CPU_UNROLLS = (1, 2, 4, 8)  # the innermost loop's unroll hint on the cpu target (1: none, the compiler's choice)
+
+
 def pointwise_axes(jobs: list[Job], target: str) -> dict[str, list]:
     if target == "cpu":
-        return {}
+        return {"unroll": list(CPU_UNROLLS)}
     return {"block": list(BLOCKS), "vec": vec_axis(jobs), "unroll": list(UNROLLS)}
 
 
 def pointwise_default(jobs: list[Job], axes: dict[str, list], target: str) -> dict:
     if target == "cpu":
-        return {}
+        return {"unroll": 1}
     vec = axes["vec"][-1]
     numel = max(j.numel for j in jobs)
     block = 256
@@ -216,7 +219,8 @@ def render_pointwise(card: Card, target: str, jobs: list[Job], params: dict) -> 
     itype = max((index_type(j.shape, j.views()) for j in jobs), key=lambda t: t == "uint64_t")
     head = prelude(target) + f"\ntypedef {itype} fp_idx;\nstruct fp_args {{ {' '.join(fields)} }};\n"
     if target == "cpu":
-        return head + "".join(_cpu_job(k, j, itype) for k, j in enumerate(jobs)) + entry(
+        unroll = params.get("unroll", 1)
+        return head + "".join(_cpu_job(k, j, itype, unroll) for k, j in enumerate(jobs)) + entry(
             card, target, "fp_args p;\n  " + "\n  ".join(inits) + "\n  "
             + " ".join(f"fp_job{k}(p);" for k in range(len(jobs))) + "\n  " + launch_status(target))
     block, unroll = params["block"], params["unroll"]
@@ -271,11 +275,15 @@ def _dispatch(jobs: list[Job], vecs: list[int], per_block: int, itype: str, orde
     return "\n".join(lines)
 
 
-def _cpu_job(k: int, job: Job, itype: str) -> str:
-    """Nested loops over the coalesced dims (offsets kept incrementally by the compiler)."""
+def _cpu_job(k: int, job: Job, itype: str, unroll: int = 1) -> str:
+    """Nested loops over the coalesced dims (offsets kept incrementally by the compiler). `unroll` > 1
+    asks the compiler to unroll the innermost loop that many times: whether it pays depends on the
+    expression and the row length, so it is a search axis, not a rule."""
     nd = len(job.shape)
     loops, close = [], []
     for d, n in enumerate(job.shape):
+        if d == nd - 1 and unroll > 1:
+            loops.append(" " * (2 + 2 * d) + f"#pragma GCC unroll {unroll}")
         loops.append(" " * (2 + 2 * d) + f"for ({itype} c{d}_ = 0; c{d}_ < {n}u; ++c{d}_) {{")
         close.append(" " * (2 + 2 * (nd - 1 - d)) + "}")
     ind = " " * (2 + 2 * nd)

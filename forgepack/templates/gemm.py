@@ -94,18 +94,18 @@ class GemmTemplate(Template):
 
     def axes(self, plan: GemmPlan, target: str) -> dict[str, list]:
         if target == "cpu":
-            return {}
+            return {"nb": [nb for nb in CPU_NBS if nb <= plan.n], "unroll": list(CPU_UNROLLS)}
         bks = [bk for bk in BKS if plan.k % bk == 0] or [16]
         return {"tile": TILES, "bk": bks, "stages": STAGES, "wm": [2, 4]}
 
     def pick_default(self, plan, axes, target):
         if target == "cpu":
-            return {}
+            return {"nb": 1, "unroll": 1}
         return {"tile": "128x128", "bk": axes["bk"][0], "stages": 3, "wm": 2}
 
     def emit(self, card: Card, plan: GemmPlan, target: str, params: dict) -> str:
         if target == "cpu":
-            return render_cpu(card, plan)
+            return render_cpu(card, plan, params)
         return render_cuda(card, plan, params)
 
 
@@ -115,14 +115,39 @@ def smem_bytes(bm: int, bn: int, bk: int, stages: int, warps: int = 8) -> int:
     return max(pipeline, epilogue)  # the epilogue reuses the pipeline's memory
 
 
-def render_cpu(card: Card, plan: GemmPlan) -> str:
+CPU_NBS = (1, 2, 4, 8)  # output columns computed together per row of A on the cpu target
+CPU_UNROLLS = (1, 4)  # the reduction loop's unroll hint (1: none)
+
+
+def render_cpu(card: Card, plan: GemmPlan, params: dict | None = None) -> str:
+    """Plain loops; `nb` output columns share each load of A's row (nb independent accumulators, each
+    summed over k in the same order as nb=1, so every point computes bit-identical results), with a
+    one-column tail when nb does not divide N."""
+    params = params or {"nb": 1, "unroll": 1}
+    nb, unroll = params.get("nb", 1), params.get("unroll", 1)
     t = ctype(plan.dtype, "cpu")
+    hint = f"#pragma GCC unroll {unroll}\n      " if unroll > 1 else ""
+    if nb == 1:
+        main = ""
+        tail_from = "0"
+    else:
+        accs = " ".join(f"float acc{q} = 0.0f;" for q in range(nb))
+        fmas = " ".join(f"acc{q} += av * fp_ld(b[(j + {q}) * {plan.ldb} + p]);" for q in range(nb))
+        stores = " ".join(f"c[i * {plan.n} + j + {q}] = fp_st<{t}>(acc{q});" for q in range(nb))
+        main = f"""    for (; j + {nb} <= {plan.n}; j += {nb}) {{
+      {accs}
+      {hint}for (int64_t p = 0; p < {plan.k}; ++p) {{ const float av = fp_ld(a[i * {plan.lda} + p]); {fmas} }}
+      {stores}
+    }}
+"""
+        tail_from = "j"
     loop = f"""
 static void fp_gemm(const {t}* a, const {t}* b, {t}* c) {{
   for (int64_t i = 0; i < {plan.m}; ++i) {{
-    for (int64_t j = 0; j < {plan.n}; ++j) {{
+    int64_t j = 0;
+{main}    for (j = {tail_from}; j < {plan.n}; ++j) {{
       float acc = 0.0f;
-      for (int64_t p = 0; p < {plan.k}; ++p) acc += fp_ld(a[i * {plan.lda} + p]) * fp_ld(b[j * {plan.ldb} + p]);
+      {hint}for (int64_t p = 0; p < {plan.k}; ++p) acc += fp_ld(a[i * {plan.lda} + p]) * fp_ld(b[j * {plan.ldb} + p]);
       c[i * {plan.n} + j] = fp_st<{t}>(acc);
     }}
   }}
@@ -458,7 +483,8 @@ class GemvTemplate(Template):
     over the memory bandwidth, and what decides it is how many bytes are in flight. cuBLAS runs
     Llama-1B's one-row decode projections on 64x8 tiles (32 blocks for a 2048-wide output): the 112
     of a step take 917 µs on the H200, 2.1 TB/s for their 1.95 GB of weights, where this template
-    takes 739 µs (`benchmarks/2026-11-30-h200-session6`). Here each warp owns `cols` output columns for every row;
+    takes 739 µs (`benchmarks/2026-11-30-h200-llama-decode-graphs`). Here each warp owns `cols`
+    output columns for every row;
     its lanes walk K in 16-byte chunks (8 elements), issue `unroll` chunks of every column before
     using any (that many 16-byte weight loads in flight per lane, streamed past L1), accumulate in
     fp32 and reduce across the warp by shuffles; the result is rounded once, as cuBLAS rounds its fp32

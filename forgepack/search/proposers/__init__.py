@@ -61,6 +61,7 @@ class Proposal:
 class Proposer(Protocol):
     name: str  # registry name; the budget counts calls per name
     paid: bool  # whether calls cost money (and count against --max-cost)
+    adaptive: bool  # whether each call on a card waits for the previous verdict (its feedback)
 
     @classmethod
     def preflight(cls, **options: Any) -> Any:
@@ -85,6 +86,7 @@ class Proposer(Protocol):
 REGISTRY: dict[str, tuple[str, str]] = {
     "templates": ("forgepack.search.proposers.templates", "TemplatesProposer"),
     "anthropic": ("forgepack.search.proposers.anthropic", "AnthropicProposer"),
+    "openai": ("forgepack.search.proposers.openai", "OpenAIProposer"),
 }
 
 

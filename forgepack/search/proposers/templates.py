@@ -22,6 +22,7 @@ from forgepack.search.tree import params_key
 class TemplatesProposer:
     name = "templates"
     paid = False
+    adaptive = False  # deterministic: its untried points go out in parallel
 
     def __init__(self, target: str = "cuda", arch: str | None = None, **_options: Any):
         from forgepack import templates  # lazy: the registry may be imported without the template code

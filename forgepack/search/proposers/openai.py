@@ -1,0 +1,202 @@
+"""The OpenAI-compatible proposer: one ``POST {base}/chat/completions`` per proposal, with urllib.
+
+Any server that speaks the chat-completions API works: OpenAI itself, or a local model served by
+Ollama, llama.cpp, vLLM or LiteLLM (``--llm-base-url http://127.0.0.1:PORT/v1``). The key comes from
+``OPENAI_API_KEY``; a server on this host may not need one. The prompt and the reply parsing are the
+ones every LLM proposer shares (`forgepack.search.proposers.prompt`). Rate limits, server errors and
+timeouts are retried with exponential backoff (honouring ``retry-after``). A model the price table does
+not know is priced with ``--llm-price IN,OUT`` (``0,0`` for a local server: free, not ``paid``).
+
+No SDK: the standard library's urllib is enough for one JSON POST, and nothing is installed for it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from forgepack.cards import Card
+from forgepack.errors import ForgepackError
+from forgepack.search import prices
+from forgepack.search.proposers import Parent, Proposal
+from forgepack.search.proposers.prompt import RETRY_STATUSES, backoff, build_prompt, extract_source, system_prompt
+
+DEFAULT_MODEL = "gpt-5"
+DEFAULT_BASE_URL = "https://api.openai.com/v1"
+KEY_ENV = "OPENAI_API_KEY"
+BASE_URL_ENV = "OPENAI_BASE_URL"
+LOCAL_HOSTS = frozenset({"localhost", "127.0.0.1", "::1", "0.0.0.0"})
+CLAUDE_DEFAULT = "claude-sonnet-4-6"  # the recipe's default llm_model, meant for the anthropic proposer
+
+
+def base_url_of(base_url: str | None) -> str:
+    return (base_url or os.environ.get(BASE_URL_ENV) or DEFAULT_BASE_URL).rstrip("/")
+
+
+def is_local(base_url: str) -> bool:
+    """A server on this host: it may serve without a key (Ollama, llama.cpp)."""
+    return (urllib.parse.urlparse(base_url).hostname or "") in LOCAL_HOSTS
+
+
+def model_of(model: str | None) -> str:
+    # the recipe's default names a Claude model; an OpenAI-compatible server is asked for its own default
+    return DEFAULT_MODEL if not model or model == CLAUDE_DEFAULT else model
+
+
+class OpenAIProposer:
+    name = "openai"
+    adaptive = True  # each call waits for the previous verdict on its card: the feedback is the point
+
+    def __init__(
+        self,
+        target: str = "cuda",
+        model: str | None = None,
+        facts: dict[str, Any] | None = None,
+        arch: str | None = None,  # in `facts` already (the prompt's device line)
+        api_key: str | None = None,
+        base_url: str | None = None,
+        price: tuple[float, float] | None = None,  # $ per million tokens (in, out); default: the table
+        max_tokens: int = 8192,
+        timeout_s: float = 300.0,
+        max_attempts: int = 6,
+        backoff_s: float = 2.0,
+        max_backoff_s: float = 60.0,
+        sleep: Callable[[float], None] = time.sleep,
+    ):
+        self.target = target
+        self.model = model_of(model)
+        self.facts = dict(facts or {})
+        self.base_url = base_url_of(base_url)
+        self.key = self.preflight(model=self.model, api_key=api_key, base_url=self.base_url, price=price)
+        self.price = prices.price(self.model, price)
+        self.paid = prices.is_paid(self.price)  # costs money: counts against --max-cost
+        self.max_tokens = max_tokens
+        self.timeout_s = timeout_s
+        self.max_attempts = max_attempts
+        self.backoff_s = backoff_s
+        self.max_backoff_s = max_backoff_s
+        self.sleep = sleep
+
+    @classmethod
+    def preflight(cls, model: str | None = None, api_key: str | None = None, base_url: str | None = None,
+                  price: tuple[float, float] | None = None, **_options: Any) -> str | None:
+        """The API key (None for a local server without one), once the model can be priced."""
+        prices.price(model_of(model), price)  # refuse a model we cannot price before spending anything
+        url = base_url_of(base_url)
+        key = api_key or os.environ.get(KEY_ENV)
+        if not key and not is_local(url):
+            raise ForgepackError(
+                f"{KEY_ENV} is not set for {url}: export {KEY_ENV}=... (a server on this host, "
+                f"--llm-base-url http://127.0.0.1:PORT/v1, needs none; or use --proposer templates)"
+            )
+        return key or None
+
+    @property
+    def label(self) -> str:
+        return f"openai:{self.model}"
+
+    def unsupported(self, card: Card) -> str | None:
+        return None  # an LLM can try any operator
+
+    def propose(
+        self,
+        card: Card,
+        parent: Parent | None,
+        lineage: Sequence[Any],
+        feedback: Sequence[str],
+        tried: frozenset[str] = frozenset(),
+    ) -> Proposal:
+        text = build_prompt(card, self.target, parent, lineage, feedback, self.facts)
+        started = time.monotonic()
+        reply, attempts = self._create(text)
+        usage = reply.get("usage") or {}
+        tokens_in, tokens_out = int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0)
+        choice = (reply.get("choices") or [{}])[0]
+        body = (choice.get("message") or {}).get("content") or ""
+        stop = "max_tokens" if choice.get("finish_reason") == "length" else choice.get("finish_reason")
+        source, problem = extract_source(body, stop)
+        meta = {
+            "model": reply.get("model") or self.model,
+            "stop_reason": stop,
+            "attempts": attempts,
+            "seconds": round(time.monotonic() - started, 3),
+            "base_url": self.base_url,
+        }
+        return Proposal(
+            source=source,
+            params={"model": self.model},
+            meta=meta,
+            tokens=(tokens_in, tokens_out),
+            cost=prices.cost(self.model, tokens_in, tokens_out, per_mtok=self.price),
+            feedback=problem,
+            label=self.label,
+            model=self.model,
+        )
+
+    def _request(self, text: str) -> urllib.request.Request:
+        payload = {
+            "model": self.model,
+            "max_tokens": self.max_tokens,
+            "messages": [{"role": "system", "content": system_prompt(self.target)},
+                         {"role": "user", "content": text}],
+        }
+        headers = {"content-type": "application/json"}
+        if self.key:
+            headers["authorization"] = f"Bearer {self.key}"
+        return urllib.request.Request(f"{self.base_url}/chat/completions", data=json.dumps(payload).encode(),
+                                      headers=headers, method="POST")
+
+    def _create(self, text: str) -> tuple[dict, int]:
+        """One chat-completions call, retried on rate limits, server errors and timeouts; (reply, attempts)."""
+        last = ""
+        for attempt in range(1, self.max_attempts + 1):
+            try:
+                with urllib.request.urlopen(self._request(text), timeout=self.timeout_s) as response:
+                    return json.loads(response.read()), attempt
+            except urllib.error.HTTPError as err:
+                detail = _message(err)
+                if err.code in (401, 403):
+                    raise ForgepackError(f"{self.base_url} refused the key ({err.code}): check {KEY_ENV}") from None
+                if err.code not in RETRY_STATUSES:
+                    raise ForgepackError(f"chat-completions error {err.code}: {detail}") from None
+                last = f"{err.code} {detail}"
+                delay = _retry_after(err) or self._backoff(attempt)
+            except TimeoutError:  # the reply did not come in time
+                last, delay = "timeout", self._backoff(attempt)
+            except urllib.error.URLError as err:  # refused, reset, DNS; a timeout while connecting too
+                last, delay = f"connection error: {err.reason}", self._backoff(attempt)
+            except json.JSONDecodeError:
+                last, delay = "a reply that is not JSON", self._backoff(attempt)
+            if attempt < self.max_attempts:
+                self.sleep(min(delay, self.max_backoff_s))
+        raise ForgepackError(
+            f"{self.base_url}: gave up after {self.max_attempts} attempts ({last}); run the same command to resume"
+        )
+
+    def _backoff(self, attempt: int) -> float:
+        return backoff(self.backoff_s, attempt)
+
+
+def _message(err: urllib.error.HTTPError) -> str:
+    try:
+        body = json.loads(err.read() or b"{}")
+    except (json.JSONDecodeError, OSError):
+        return str(err.reason)[:200]
+    inner = body.get("error", body) if isinstance(body, dict) else body
+    if isinstance(inner, dict) and inner.get("message"):
+        return str(inner["message"])[:200]
+    return str(err.reason)[:200]
+
+
+def _retry_after(err: urllib.error.HTTPError) -> float | None:
+    value = err.headers.get("retry-after") if err.headers is not None else None
+    try:
+        return float(value) if value is not None else None
+    except ValueError:
+        return None
