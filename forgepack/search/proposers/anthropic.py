@@ -21,7 +21,14 @@ from forgepack.cards import Card
 from forgepack.errors import ForgepackError
 from forgepack.search import prices
 from forgepack.search.proposers import Parent, Proposal
-from forgepack.search.proposers.prompt import RETRY_STATUSES, backoff, build_prompt, extract_source, system_prompt
+from forgepack.search.proposers.prompt import (
+    RETRY_STATUSES,
+    backoff,
+    build_prompt,
+    extract_source,
+    reply_proposal,
+    system_prompt,
+)
 
 DEFAULT_MODEL = "claude-sonnet-4-6"
 KEY_ENV = "ANTHROPIC_API_KEY"
@@ -111,23 +118,8 @@ class AnthropicProposer:
         cache_write = int(getattr(usage, "cache_creation_input_tokens", 0) or 0)
         cost = prices.cost(self.model, tokens_in, tokens_out, cache_read, cache_write, per_mtok=self.price)
         body = "".join(getattr(block, "text", "") for block in reply.content if block.type == "text")
-        source, problem = extract_source(body, reply.stop_reason)
-        meta = {
-            "model": reply.model or self.model,
-            "stop_reason": reply.stop_reason,
-            "attempts": attempts,
-            "seconds": round(time.monotonic() - started, 3),
-        }
-        return Proposal(
-            source=source,
-            params={"model": self.model},
-            meta=meta,
-            tokens=(tokens_in + cache_read + cache_write, tokens_out),
-            cost=cost,
-            feedback=problem,
-            label=self.label,
-            model=self.model,
-        )
+        return reply_proposal(self, body, reply.stop_reason, tokens=(tokens_in + cache_read + cache_write, tokens_out),
+                              cost=cost, started=started, attempts=attempts, served_model=reply.model)
 
     def _create(self, text: str) -> tuple[Any, int]:
         """One Messages API call, retried on rate limits, overload and timeouts; (reply, attempts)."""

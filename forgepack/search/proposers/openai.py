@@ -25,7 +25,7 @@ from forgepack.cards import Card
 from forgepack.errors import ForgepackError
 from forgepack.search import prices
 from forgepack.search.proposers import Parent, Proposal
-from forgepack.search.proposers.prompt import RETRY_STATUSES, backoff, build_prompt, extract_source, system_prompt
+from forgepack.search.proposers.prompt import RETRY_STATUSES, backoff, build_prompt, reply_proposal, system_prompt
 
 DEFAULT_MODEL = "gpt-5"
 DEFAULT_BASE_URL = "https://api.openai.com/v1"
@@ -120,24 +120,10 @@ class OpenAIProposer:
         choice = (reply.get("choices") or [{}])[0]
         body = (choice.get("message") or {}).get("content") or ""
         stop = "max_tokens" if choice.get("finish_reason") == "length" else choice.get("finish_reason")
-        source, problem = extract_source(body, stop)
-        meta = {
-            "model": reply.get("model") or self.model,
-            "stop_reason": stop,
-            "attempts": attempts,
-            "seconds": round(time.monotonic() - started, 3),
-            "base_url": self.base_url,
-        }
-        return Proposal(
-            source=source,
-            params={"model": self.model},
-            meta=meta,
-            tokens=(tokens_in, tokens_out),
-            cost=prices.cost(self.model, tokens_in, tokens_out, per_mtok=self.price),
-            feedback=problem,
-            label=self.label,
-            model=self.model,
-        )
+        return reply_proposal(self, body, stop, tokens=(tokens_in, tokens_out),
+                              cost=prices.cost(self.model, tokens_in, tokens_out, per_mtok=self.price),
+                              started=started, attempts=attempts, served_model=reply.get("model"),
+                              base_url=self.base_url)
 
     def _request(self, text: str) -> urllib.request.Request:
         payload = {

@@ -20,7 +20,7 @@ from importlib import resources
 from typing import Any
 
 from forgepack.cards import Card, TensorMeta
-from forgepack.search.proposers import Parent
+from forgepack.search.proposers import Parent, Proposal
 from forgepack.search.proposers.reference import family_lines, reference_program
 
 # Statuses worth another attempt: timeouts, conflicts, rate limits, server errors, Anthropic's overload.
@@ -67,6 +67,19 @@ def backoff(base_s: float, attempt: int) -> float:
 
 
 # --- reply parsing -------------------------------------------------------------------------------
+
+
+def reply_proposal(proposer: Any, body: str, stop: str | None, *, tokens: tuple[int, int], cost: float,
+                   started: float, attempts: int, served_model: str | None, **meta: Any) -> Proposal:
+    """The Proposal of one LLM reply, whichever API it came from: the source parsed out of `body`, the
+    call's tokens, cost and timing (`started`: time.monotonic() before the call)."""
+    import time
+
+    source, problem = extract_source(body, stop)
+    meta = {"model": served_model or proposer.model, "stop_reason": stop, "attempts": attempts,
+            "seconds": round(time.monotonic() - started, 3), **meta}
+    return Proposal(source=source, params={"model": proposer.model}, meta=meta, tokens=tokens, cost=cost,
+                    feedback=problem, label=proposer.label, model=proposer.model)
 
 
 def extract_source(reply: str, stop_reason: str | None = None) -> tuple[str | None, str | None]:
