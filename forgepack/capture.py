@@ -31,9 +31,10 @@ from torch.utils.weak import WeakTensorKeyDictionary
 
 from forgepack import samples as samples_mod
 from forgepack.cards import Arg, Card
-from forgepack.opcall import bind, encode_value, is_tensor_list, op_key
+from forgepack.opcall import is_tensor_list
 from forgepack.runtime.fresh import span
-from forgepack.runtime.stockcall import flatten_outputs
+from forgepack.runtime.opclasses import needs_decompose
+from forgepack.runtime.stockcall import bind, encode_value, flatten_outputs, op_key
 
 MAX_MODULE_PATHS = 6
 
@@ -122,14 +123,6 @@ def card_from_call(func: torch._ops.OpOverload, args: tuple, kwargs: dict | None
     return card, tensors, outputs
 
 
-def _needs_decompose(func: torch._ops.OpOverload) -> bool:
-    name = func.name()
-    has = torch._C._dispatch_has_kernel_for_dispatch_key
-    if not has(name, "CompositeImplicitAutograd"):
-        return False
-    return not any(has(name, key) for key in ("CPU", "CUDA", "CompositeExplicitAutograd"))
-
-
 _INDEX = re.compile(r"(?<=\.)\d+(?=\.|$)")
 
 
@@ -163,7 +156,7 @@ class _Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if _needs_decompose(func):
+        if needs_decompose(func):
             with self:  # the mode is off inside its own handler: turn it on so the parts are recorded
                 result = func.decompose(*args, **kwargs)
             if result is not NotImplemented:

@@ -350,15 +350,23 @@ class Fusion:
     outputs: tuple[Ref, ...]
     sites: tuple[FusionSite, ...] = ()
     module_class: str = ""
+    writes: tuple[int, ...] = ()  # inputs the chain writes in place (a decode block's KV cache)
+    block: dict[str, Any] = dataclasses.field(default_factory=dict)  # a decode block's roles and constants
 
     def to_json(self) -> dict[str, Any]:
-        return {"pattern": self.pattern, "launches": self.launches, "outputs": [list(r) for r in self.outputs],
-                "sites": [s.to_json() for s in self.sites], "module_class": self.module_class}
+        d = {"pattern": self.pattern, "launches": self.launches, "outputs": [list(r) for r in self.outputs],
+             "sites": [s.to_json() for s in self.sites], "module_class": self.module_class}
+        if self.writes:
+            d["writes"] = list(self.writes)
+        if self.block:
+            d["block"] = self.block
+        return d
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Fusion:
         return cls(d["pattern"], d.get("launches", 0), tuple(tuple(r) for r in d.get("outputs", ())),
-                   tuple(FusionSite.from_json(x) for x in d.get("sites", ())), d.get("module_class", ""))
+                   tuple(FusionSite.from_json(x) for x in d.get("sites", ())), d.get("module_class", ""),
+                   tuple(d.get("writes", ())), dict(d.get("block", {})))
 
 
 @dataclass(frozen=True)

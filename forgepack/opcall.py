@@ -16,41 +16,6 @@ import torch
 from forgepack.cards import Arg, Card
 from forgepack.runtime import stockcall
 
-_ENUMS = (torch.dtype, torch.layout, torch.memory_format)
-
-
-def op_key(func: torch._ops.OpOverload) -> str:
-    return f"{func.namespace}.{func._schema.name.split('::')[1]}.{func._overloadname}"
-
-
-def bind(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> list[tuple[Any, Any]]:
-    """(schema argument, value) for every schema argument, defaults filled in."""
-    bound = []
-    for i, a in enumerate(func._schema.arguments):
-        if i < len(args) and not a.kwarg_only:
-            bound.append((a, args[i]))
-        elif a.name in kwargs:
-            bound.append((a, kwargs[a.name]))
-        elif a.has_default_value():
-            bound.append((a, a.default_value))
-        else:
-            bound.append((a, None))
-    return bound
-
-
-def encode_value(value: Any) -> Any:
-    if isinstance(value, torch.dtype):
-        return str(value).removeprefix("torch.")
-    if isinstance(value, torch.device):
-        return value.type
-    if isinstance(value, _ENUMS):
-        return str(value).removeprefix("torch.")
-    if isinstance(value, torch.SymInt | torch.SymFloat | torch.SymBool):
-        return value.node.hint if hasattr(value, "node") else int(value)
-    if isinstance(value, list | tuple):
-        return [encode_value(v) for v in value]
-    return value
-
 
 def is_tensor_list(value: Any) -> bool:
     return isinstance(value, list | tuple) and len(value) > 0 and all(isinstance(v, torch.Tensor) for v in value)

@@ -268,3 +268,33 @@ def load_samples(card: Card, path: Path, device: str | torch.device) -> list[tup
         outputs = [materialize(m, raw[f"s{k}.out{j}"], device) for j, m in enumerate(card.outputs)]
         sets.append((inputs, outputs))
     return sets
+
+
+def finite_where_masked(card: Card, tensors: list) -> list:
+    """Inputs a decode block reads only where its mask admits (`block["masked_reads"]`: the attention's
+    cache, read up to its live length) with the excluded slots made finite. The kernel never reads them,
+    and stock reads them only to multiply by zero: equal on every state a served cache can be in (a
+    request starts from a zeroed cache; every slot a step reads was written by an earlier step), unequal
+    only for a NaN or inf in a slot no step reaches."""
+    block = card.fusion.block if card.fusion is not None else {}
+    rule = block.get("masked_reads")
+    if not rule or tensors[rule["mask"]] is None:
+        return tensors
+    mask = tensors[rule["mask"]]
+    dead = mask.logical_not() if mask.dtype == torch.bool else mask == float("-inf")
+    out = list(tensors)
+    for i in rule["inputs"]:
+        t = out[i]
+        if t is None or not t.is_floating_point():
+            continue
+        # the mask [b, 1, queries, slots], excluded for every query: [b, 1, slots, 1] against [b, heads, slots, dim]
+        if dead.dim() != 4 or t.dim() != 4 or rule["axis"] != 2:
+            continue
+        gone = dead.all(dim=2, keepdim=True).transpose(2, 3)
+        if gone.shape[2] != t.shape[2]:
+            continue
+        gone = gone.expand(t.shape)
+        fixed = t.clone()
+        fixed[gone & ~torch.isfinite(fixed)] = 0.0
+        out[i] = fixed
+    return out

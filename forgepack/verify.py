@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import math
 import random
 import select
@@ -459,7 +460,7 @@ def _max_error(out: torch.Tensor, ref: torch.Tensor, dtype: str) -> float:
 class InputSet:
     label: str
     inputs: list[Guarded | None]
-    snapshot: list[torch.Tensor | None]  # bitwise copies of the input buffers
+    snapshot: list[torch.Tensor | None]  # bitwise copies of the input buffers (as bits: a bool copy would canonicalise)
     reference: list[torch.Tensor]
     first_run: list[torch.Tensor] | None = None  # run 0's outputs, for comparing later runs
     twin_of: str | None = None  # a near-duplicate's original (the reuse runs put them side by side)
@@ -508,8 +509,48 @@ class Late:
         return None
 
 
+def lifted(card: Card) -> Card:
+    """A card whose chain writes some inputs in place (a decode block's KV cache), as verification sees
+    it: each written input is also an output, the input as the chain leaves it. The kernel gets that
+    output's buffer, holding a copy of the input, where the input was (`LiftedCall`): it writes there,
+    every check on outputs applies to what it wrote (and around it), and the real inputs stay as they
+    were (any change to them is a mutation)."""
+    writes = card.fusion.writes if card.fusion is not None else ()
+    if not writes:
+        return card
+    ins = card.tensor_inputs()
+    fusion = dataclasses.replace(card.fusion, outputs=(*card.fusion.outputs, *(("in", i) for i in writes)))
+    return dataclasses.replace(card, outputs=(*card.outputs, *(ins[i] for i in writes)), fusion=fusion)
+
+
+class LiftedCall(KernelCall):
+    """A call of a kernel that writes inputs in place, verified through `lifted`: the written inputs' slots
+    point at their output buffers, each filled with a copy of its input just before the call."""
+
+    def __init__(self, fn, inputs, outputs, scalars, stream, writes: tuple[int, ...]):
+        real = len(outputs) - len(writes)
+        self.copies = [(inputs[i], outputs[real + k]) for k, i in enumerate(writes)]
+        slots = list(inputs)
+        for k, i in enumerate(writes):
+            slots[i] = outputs[real + k]
+        super().__init__(fn, slots, outputs[:real], scalars, stream)
+        self.tensors = (list(inputs), list(outputs))
+
+    def __call__(self) -> int:
+        for src, dst in self.copies:
+            dst.copy_(src)
+        return self.fn(self.ref)
+
+
 class Harness:
     def __init__(self, card: Card, fn, device: torch.device, seed: int = 0):
+        self.writes = card.fusion.writes if card.fusion is not None else ()
+        self.source = card  # as captured: its samples hold its own outputs
+        # a block whose stock backends disagree on NaN, inf and denormals (attention: the CPU flash kernel,
+        # the math path and the CUDA kernels each differ) is verified on finite, normal values only
+        # (docs/verification.md)
+        self.finite = bool(card.fusion is not None and card.fusion.block.get("finite"))
+        card = lifted(card)
         self.card, self.fn, self.device = card, fn, device
         self.cuda = device.type == "cuda"
         self.scalars = card.scalars()
@@ -526,18 +567,20 @@ class Harness:
     def input_sets(self, samples_path: Path | None, seed: int) -> list[tuple[str, list[torch.Tensor | None]]]:
         sets = []
         if samples_path is not None and Path(samples_path).exists():
-            for k, (inputs, _) in enumerate(samples_mod.load_samples(self.card, Path(samples_path), self.device)):
+            for k, (inputs, _) in enumerate(samples_mod.load_samples(self.source, Path(samples_path), self.device)):
                 sets.append((f"captured sample {k}", inputs))
         for k in range(FRESH_INPUTS):
             s = seed + k
             sets.append((f"fresh input (seed {s})", samples_mod.fresh_inputs(self.card, s, self.device)))
         s = seed + FRESH_INPUTS
-        edge = samples_mod.fresh_inputs(self.card, s, self.device, edge=True)
-        sets.append((f"edge input with inf/-inf/NaN (seed {s})", edge))
+        if not self.finite:
+            edge = samples_mod.fresh_inputs(self.card, s, self.device, edge=True)
+            sets.append((f"edge input with inf/-inf/NaN (seed {s})", edge))
         return sets
 
     def adversarial_sets(self, seed: int) -> list[tuple[str, list[torch.Tensor | None]]]:
-        return samples_mod.adversarial_inputs(self.card, seed + FRESH_INPUTS + 1, self.device)
+        sets = samples_mod.adversarial_inputs(self.card, seed + FRESH_INPUTS + 1, self.device)
+        return [(label, t) for label, t in sets if not (self.finite and label.startswith(("nonfinite", "denormal")))]
 
     def near_duplicate(self, s: InputSet, seed: int) -> tuple[str, list[torch.Tensor | None]]:
         views = [None if g is None else g.view for g in s.inputs]
@@ -546,9 +589,10 @@ class Harness:
 
     def prepare(self, label: str, tensors: list[torch.Tensor | None]) -> InputSet:
         metas = self.card.tensor_inputs()
+        tensors = samples_mod.finite_where_masked(self.card, tensors)
         placed = [None if m is None or t is None else placed_input(m, t, self.device, self.guard_byte)
                   for m, t in zip(metas, tensors, strict=True)]
-        snapshot = [None if g is None else g.buf.clone() for g in placed]
+        snapshot = [None if g is None else _bits_of(g.buf).clone() for g in placed]
         try:
             ref = opcall.run_stock(self.card, [None if g is None else g.view for g in placed], self.device)
         except Exception as err:
@@ -572,8 +616,10 @@ class Harness:
 
     def call(self, inputs: list[Guarded | None], outputs: list[Guarded]) -> KernelCall:
         stream = self.side.cuda_stream if self.cuda else None
-        return KernelCall(self.fn, [None if g is None else g.view for g in inputs], [g.view for g in outputs],
-                          self.scalars, stream)
+        views = [None if g is None else g.view for g in inputs]
+        if self.writes:
+            return LiftedCall(self.fn, views, [g.view for g in outputs], self.scalars, stream, self.writes)
+        return KernelCall(self.fn, views, [g.view for g in outputs], self.scalars, stream)
 
     def counted(self, n: int = 1) -> None:
         """Counts calls, in this harness and for the loaded kernel across requests."""
@@ -712,7 +758,7 @@ class Harness:
             for g, src in zip(inputs, s.inputs, strict=True):
                 if g is not None:
                     g.window.copy_(src.window)
-            snapshot = [None if g is None else g.buf.clone() for g in inputs]
+            snapshot = [None if g is None else _bits_of(g.buf).clone() for g in inputs]
             fills = self.fill(outs, run, self.rng.choice(("nan", "garbage")))
             self.hold_legacy_stream()
             rc = replay()
@@ -935,9 +981,10 @@ def bench(card: Card, fn, samples_path: Path | None, device: torch.device | str,
     device = torch.device(device)
     strict_precision()
     h = Harness(card, fn, device, seed)
+    card = h.card  # written inputs lifted to outputs (`lifted`): the stock chain returns them too
     with torch.no_grad(), _on(h.side), timing.one_thread_on_cpu(device), _placed_apart(placement, seed, device):
         have = samples_path is not None and Path(samples_path).exists()
-        sets = samples_mod.load_samples(card, Path(samples_path), device) if have else []
+        sets = samples_mod.load_samples(h.source, Path(samples_path), device) if have else []
         label = "captured sample 0" if sets else f"fresh input (seed {seed})"
         s = h.prepare(label, sets[0][0] if sets else samples_mod.fresh_inputs(card, seed, device))
         bad = h.eager_runs(s, None)  # the verified result every benchmark call must reproduce bitwise

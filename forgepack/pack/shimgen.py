@@ -269,7 +269,7 @@ def _arg_guard(t, arg: Arg, p: str, spec: str = "s", bind: str = "") -> _Guard:
     if base == BaseTy.str and isinstance(v, str):
         return _Guard([f"fpg::eq_str({p}, {cpp_string(v)})"], [])
     if base == BaseTy.Device and v in ("cpu", "cuda"):
-        # cards keep a device's type only (`opcall.encode_value`) and were verified with the inputs' own
+        # cards keep a device's type only (`stockcall.encode_value`) and were verified with the inputs' own
         # device there: `.to(device=...)` of the tensor's device (generate()'s logits copy), no other
         return _Guard([f"fpg::is_type({p}, kDevice)"], [], (p,))
     raise Unsupported(f"argument {arg.name} of type {t} = {v!r}")

@@ -226,6 +226,28 @@ class _State:
         return tensor_bytes(t for t in vars(self).values() if isinstance(t, torch.Tensor))
 
 
+def step_kwargs(forward: Any, state: _State, cache: Any) -> dict[str, Any]:
+    """The forward's arguments for one decode step on `cache`, all read from `state`'s buffers."""
+    kwargs = decode_kwargs_of(forward, state.token, cache, 0)
+    kwargs["position_ids"] = state.position
+    # The 4D mask generate builds for a static cache (every slot up to the position), made inside the
+    # graph: transformers uses a 4D mask as given, so no mask code of its own runs under capture.
+    kwargs["attention_mask"] = state.mask.view(state.rows, 1, 1, state.width)
+    if "cache_position" in kwargs:
+        kwargs["cache_position"] = state.where
+    return kwargs
+
+
+def run_step(forward: Any, state: _State, kwargs: dict[str, Any]) -> None:
+    """One decode step: the mask, the forward, the greedy pick, the positions advanced (what a decode
+    graph holds; the build records the same step to find its blocks)."""
+    torch.le(state.slots, state.position, out=state.mask)
+    out = forward(**kwargs)
+    state.pick(out.logits[:, -1])
+    state.position.add_(1)
+    state.where.add_(1)
+
+
 def state_bytes(rows: int, vocab: int, width: int) -> int:
     """The bytes of a decode graph's buffers, before allocating them (measured on the meta device)."""
     return _State(rows, vocab, width, torch.device("meta")).nbytes()
@@ -355,13 +377,7 @@ class DecodeLoop:
         loop = self.pool.get(key)
         if loop is None or loop.cache is not request.cache or loop.state.vocab != vocab:
             state = _State(request.rows, vocab, request.cache_len, device)
-            kwargs = decode_kwargs_of(self.server.eager, state.token, request.cache, 0)
-            kwargs["position_ids"] = state.position
-            # The 4D mask generate builds for a static cache (every slot up to the position), made inside the
-            # graph: transformers uses a 4D mask as given, so no mask code of its own runs under capture.
-            kwargs["attention_mask"] = state.mask.view(request.rows, 1, 1, request.cache_len)
-            if "cache_position" in kwargs:
-                kwargs["cache_position"] = state.where
+            kwargs = step_kwargs(self.server.eager, state, request.cache)
             bucket = f"decode b{request.rows} c{request.cache_len}"
             loop = _Loop(state, request.cache, kwargs, bucket, key, self._counts[bucket])
             if not self._hold(loop):  # _admit checked it at the config's vocabulary: the logits' is larger
@@ -381,11 +397,7 @@ class DecodeLoop:
 
     def _run(self, loop: _Loop) -> None:
         """The decode step itself: what the graph holds, and what an eager step runs."""
-        torch.le(loop.state.slots, loop.state.position, out=loop.state.mask)
-        out = self.server.eager(**loop.kwargs)
-        loop.state.pick(out.logits[:, -1])
-        loop.state.position.add_(1)
-        loop.state.where.add_(1)
+        run_step(self.server.eager, loop.state, loop.kwargs)
 
     def _step(self, loop: _Loop, device: torch.device) -> None:
         if loop.graph is not None:

@@ -43,3 +43,13 @@ def host_sync(func: Any, args: tuple, kwargs: dict) -> str:
         ):
             return name + " with a CPU scalar tensor next to CUDA tensors"
     return ""
+
+
+def needs_decompose(func: Any) -> bool:
+    """A composite op with no backend kernel of its own (`linear`, `layer_norm` under inference_mode):
+    recorders take its parts instead, the calls a backend override or a chain can be matched against."""
+    name = func.name()
+    has = torch._C._dispatch_has_kernel_for_dispatch_key
+    if not has(name, "CompositeImplicitAutograd"):
+        return False
+    return not any(has(name, key) for key in ("CPU", "CUDA", "CompositeExplicitAutograd"))

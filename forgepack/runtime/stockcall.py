@@ -1,7 +1,7 @@
 """Calling a stock aten op again from its recorded arguments: the one decoder of recorded values.
 
 A recorded argument is (kind, number of tensors, value): "tensor", "tensors" (a list of that many),
-"none" (an absent tensor) or "value" (anything else, as `forgepack.opcall.encode_value` wrote it).
+"none" (an absent tensor) or "value" (anything else, as `encode_value` wrote it).
 Cards (`forgepack.opcall`), fusion chains and the pack's self-test (manifest variants) all call
 through here. Part of the pack runtime: torch and the standard library only.
 """
@@ -14,6 +14,43 @@ from typing import Any
 import torch
 
 Recorded = tuple[str, int, Any]  # (kind, number of tensors, value)
+_ENUMS = (torch.dtype, torch.layout, torch.memory_format)
+
+
+def op_key(func: torch._ops.OpOverload) -> str:
+    """The OpOverload's name as cards hold it: `aten._softmax.default`."""
+    return f"{func.namespace}.{func._schema.name.split('::')[1]}.{func._overloadname}"
+
+
+def bind(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> list[tuple[Any, Any]]:
+    """(schema argument, value) for every schema argument, defaults filled in."""
+    bound = []
+    for i, a in enumerate(func._schema.arguments):
+        if i < len(args) and not a.kwarg_only:
+            bound.append((a, args[i]))
+        elif a.name in kwargs:
+            bound.append((a, kwargs[a.name]))
+        elif a.has_default_value():
+            bound.append((a, a.default_value))
+        else:
+            bound.append((a, None))
+    return bound
+
+
+def encode_value(value: Any) -> Any:
+    """A non-tensor argument as cards record it (JSON-able): dtypes, layouts and memory formats by name,
+    a device by its type, symbolic sizes by their hint, sequences as lists."""
+    if isinstance(value, torch.dtype):
+        return str(value).removeprefix("torch.")
+    if isinstance(value, torch.device):
+        return value.type
+    if isinstance(value, _ENUMS):
+        return str(value).removeprefix("torch.")
+    if isinstance(value, torch.SymInt | torch.SymFloat | torch.SymBool):
+        return value.node.hint if hasattr(value, "node") else int(value)
+    if isinstance(value, list | tuple):
+        return [encode_value(v) for v in value]
+    return value
 
 
 def resolve(op: str) -> torch._ops.OpOverload:

@@ -20,12 +20,12 @@ from __future__ import annotations
 
 from forgepack.cards import Card
 from forgepack.needs import Needs
-from forgepack.templates import elementwise, fused, gemm, norm, pool, rowreduce
+from forgepack.templates import blocks, elementwise, fused, gemm, norm, pool, rowreduce
 from forgepack.templates.common import Template, on_device
 
 REGISTRY: tuple[Template, ...] = (elementwise.TEMPLATES + rowreduce.TEMPLATES + norm.TEMPLATES + pool.TEMPLATES
-                                   + fused.TEMPLATES + gemm.TEMPLATES)
-FAMILIES = ("elementwise", "rowreduce", "norm", "pool", "fused", "gemm")
+                                   + fused.TEMPLATES + gemm.TEMPLATES + blocks.TEMPLATES)
+FAMILIES = ("elementwise", "rowreduce", "norm", "pool", "fused", "gemm", "blocks")
 
 
 def templates_for(card: Card, target: str, arch: str | None = None) -> list[Template]:
