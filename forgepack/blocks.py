@@ -35,12 +35,12 @@ import torch
 
 from forgepack import samples as samples_mod
 from forgepack.cards import Arg, Card, ChainArg, ChainEntry, Fusion, FusionSite, ValueStats, chain_digest
-from forgepack.runtime.stepprogram import Node, Program, Val
+from forgepack.runtime.modules import STEP_SITE
+from forgepack.runtime.stepprogram import Node, Program, Val, record
 from forgepack.runtime.stockcall import bind, encode_value, op_key
 
 KINDS = ("qkv", "attention", "proj_add", "gate_up", "lm_head")
 BLOCK_OPS = tuple(f"fusion.{k}.default" for k in KINDS)
-STEP_SITE = "step"  # a block's site kind: served by the decode loop's program, not by a module patch
 
 LINEAR_OPS = frozenset({"aten::mm", "aten::addmm"})
 ATTENTION_OPS = frozenset({
@@ -547,3 +547,109 @@ def _json_params(block: Block, chain: list[ChainEntry]) -> dict[str, Any]:
         params["mm"] = [block.nodes.index(i) for i in params["mm"]]
     params["kind"] = block.kind
     return params
+
+
+# --- the build: decode steps recorded at the serving buckets, their blocks as cards -----------------------
+
+
+@dataclass
+class BlockResult:
+    cards: list[Card]
+    samples: dict[str, list]  # card id -> [(inputs, outputs)], CPU windows
+    skipped: list[Skipped]
+    points: list[tuple[int, int]]  # (rows, cache length) recorded
+    launches: dict[str, tuple[int, int]] = field(default_factory=dict)  # point -> (stock launches, with blocks)
+
+
+def decode_points(recipe: Any, model: Any) -> list[tuple[int, int]]:
+    """(rows, cache length) of the decode steps a served model runs for this recipe: the batch buckets the
+    recipe's batch sizes fall into, and cache lengths from the serving ladder up to what the model allows
+    (its first, middle and last rung: a family over the cache's length is verified between them)."""
+    from forgepack.recipe import high, low
+    from forgepack.runtime import serving
+
+    opts = serving.ServeOptions()
+    w = recipe.workload
+    rows = sorted({opts.batch_bucket(b) or b for b in range(low(w.batch), high(w.batch) + 1)})
+    cap = int(getattr(model.config, "max_position_embeddings", 0) or opts.max_cache_len)
+    cap = min(cap, opts.max_cache_len)
+    rungs = [c for c in opts.cache_lengths if c <= cap] or [cap]
+    lengths = sorted({rungs[0], rungs[len(rungs) // 2], rungs[-1]})
+    return [(r, c) for r in rows for c in lengths]
+
+
+def record_step(model: Any, rows: int, cache_len: int, prompt: int = 16, seed: int = 0) -> Program:
+    """One decode step of forgepack's decode loop (`runtime.decodeloop.run_step`), recorded as a program,
+    after a prefill of `prompt` random tokens into a static cache of `cache_len` slots. The caller runs it
+    under `torch.no_grad()` (as the loop does)."""
+    from transformers import StaticCache
+
+    from forgepack.runtime import decodeloop
+    from forgepack.runtime.transformers_hooks import cache_kwarg_of
+
+    device = next(model.parameters()).device
+    vocab = int(model.config.get_text_config().vocab_size)
+    gen = torch.Generator().manual_seed(seed)
+    cache = StaticCache(config=model.config, max_cache_len=cache_len)
+    ids = torch.randint(0, vocab, (rows, prompt), generator=gen).to(device)
+    model(input_ids=ids, use_cache=True, cache_position=torch.arange(prompt, device=device),
+          **{cache_kwarg_of(model.forward): cache})
+    state = decodeloop.State(rows, vocab, cache_len, device)
+    dtype = decodeloop.additive_mask_dtype(model)
+    if dtype is not None:
+        state.additive_mask(dtype)
+    state.start(rows, prompt, decodeloop.Greedy(cache_len - prompt, 0, (), 0, False, False, False))
+    state.token.copy_(ids[:, -1:])
+    kwargs = decodeloop.step_kwargs(model.forward, state, cache)
+    # writes kept (no capture follows): each block's inputs then hold what the step gave them (the mask as
+    # the step set it, before the attention read it), and are its samples
+    return record(decodeloop.run_step, model.forward, state, kwargs, undo=False)
+
+
+def build(model: Any, recipe: Any, device: torch.device, facts: Any, op_cards: list[Card],
+          note: Any = None) -> BlockResult:
+    """The decode blocks of the recipe's served decode steps, as cards: recorded at every `decode_points`
+    point, profiled there (the chain replayed, as fusion cards are), then the same block at several cache
+    lengths folded into one family over the cache's length (`families.fold_members`)."""
+    from forgepack import families, fusion
+
+    found: list[Card] = []
+    sample_sets: dict[str, list] = {}
+    skipped: list[Skipped] = []
+    points = decode_points(recipe, model)
+    launches: dict[str, tuple[int, int]] = {}
+    for k, (rows, length) in enumerate(points):
+        if note is not None:
+            note(f"decode blocks at batch {rows}, cache {length}", k, len(points))
+        with torch.no_grad():
+            program = record_step(model, rows, length)
+        blocks, skip = find(program)
+        skipped += [Skipped(f"b{rows} c{length}: {s.where}", s.reason) for s in skip]
+        covered = sum(1 for b in blocks for i in b.nodes if program.steps[i].launches)
+        launches[f"b{rows} c{length}"] = (program.launches(), program.launches() - covered + len(blocks))
+        for block in blocks:
+            card = make_card(program, block)
+            if card.id in sample_sets:
+                found = [dataclasses.replace(c, calls=c.calls + 1) if c.id == card.id else c for c in found]
+                continue
+            found.append(card)
+            sample_sets[card.id] = _sample(program, block)
+        del program
+    total = sum(c.profile.total_us for c in op_cards if c.profile)
+    profiled = fusion.profile_cards(found, sample_sets, device, facts, total, op_cards) if facts is not None else found
+    cards, samples = [], {}
+    for card, members in families.fold_members(profiled):
+        cards.append(card)
+        rep = max(members, key=lambda m: m.calls)
+        samples[card.id] = sample_sets[rep.id]
+    return BlockResult(cards, samples, skipped, points, launches)
+
+
+def _sample(program: Program, block: Block) -> list:
+    """The block's inputs and outputs as the step held them (CPU windows), when they fit a sample."""
+    ins = [program.values[v] for v in block.inputs]
+    outs = [program.values[v] for v in block.outputs]
+    size = sum(samples_mod.fresh.span(tuple(t.shape), t.stride()) * t.element_size() for t in ins + outs)
+    if size > samples_mod.MAX_BYTES_PER_CARD:
+        return []  # a weight too large to keep: verification draws fresh inputs like it
+    return [([samples_mod.window(t).cpu() for t in ins], [samples_mod.window(t).cpu() for t in outs])]

@@ -52,6 +52,10 @@ class ModelProfile:
     model_class: str = ""
     dtype: str = ""
     shapes: str = ""  # the example inputs' shapes, `name=AxB` each
+    # decode recipes: the served decode step's launches per (batch, cache) point, stock and with every
+    # block found there; and the linear groups and attentions that made no block, with why
+    decode_launches: dict[str, list[int]] = dataclasses.field(default_factory=dict)
+    blocks_skipped: list[str] = dataclasses.field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -280,6 +284,9 @@ def run_profile(recipe: Recipe, workspace: Workspace, progress: Callable[[str, i
         else:
             fused = fusion.build(lm.model, forward_once, cap, lm.device, facts, cards)
     cap.samples.update(fused.samples)
+    decoded = _decode_blocks(lm, facts, cards, note)
+    if decoded is not None:
+        cap.samples.update(decoded.samples)
     kernel_ms = kernel_time_ms(lm) if lm.device.type == "cuda" else None
     busy = min(1.0, kernel_ms / e2e_ms) if kernel_ms is not None else None
     op_ms = sum(c.profile.total_us for c in cards) / 1e3
@@ -301,8 +308,24 @@ def run_profile(recipe: Recipe, workspace: Workspace, progress: Callable[[str, i
         model_class=type(lm.model).__name__,
         dtype=str(lm.dtype).removeprefix("torch."),
         shapes=input_shapes(lm.inputs),
+        decode_launches={k: list(v) for k, v in decoded.launches.items()} if decoded else {},
+        blocks_skipped=sorted({f"{s.where}: {s.reason}" for s in decoded.skipped}) if decoded else [],
     )
-    return result, _write(workspace, recipe, result, cards + fused.cards, cap)
+    block_cards = decoded.cards if decoded else []
+    return result, _write(workspace, recipe, result, cards + fused.cards + block_cards, cap)
+
+
+def _decode_blocks(lm, facts, op_cards: list[Card], note):
+    """The decode blocks of a causal LM served step by step from a static cache (a decode recipe with
+    `static_cache`, or a generate envelope): `blocks.build`; None for any other recipe."""
+    from forgepack import blocks, models
+
+    w = lm.recipe.workload
+    served = (w.phase == "decode" and w.static_cache) or w.phase == "generate"
+    if not served or w.task != "causal-lm":
+        return None
+    with models.quiet_transformers():
+        return blocks.build(lm.model, lm.recipe, lm.device, facts, op_cards, note)
 
 
 def input_shapes(inputs: dict[str, Any]) -> str:

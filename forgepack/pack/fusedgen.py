@@ -91,11 +91,23 @@ def spec(variants: list[FusedVariant], namespace: str, target: str) -> dict[str,
         "namespace": namespace,
         "target": target,
         "library": LIBRARY,
-        "sites": [s.to_json() for s in sites],
+        "sites": [_site_json(s, served[s.index]) for s in sites],
         "variants": [{"id": v.card.id, "op": v.card.op, "signature": v.card.signature(), "calls": v.card.calls,
                       "sites": site_of[v.card.id], "kernel": files[v.card.id],
                       **_shapes(v.card)} for v in variants],
     }
+
+
+def _site_json(site: rt.Site, cards: list[Card]) -> dict[str, Any]:
+    """A site as modules.json holds it; a decode block's (kind "step") also holds its chain, which the
+    decode loop matches in its recorded step (`runtime/stepprogram.Chain`): every card of the site has
+    the same one (the site's digest is the chain's)."""
+    doc = site.to_json()
+    if site.kind == rt.STEP_SITE:
+        card = cards[0]
+        doc["form"] = {"chain": [e.to_json() for e in card.chain], "outputs": [list(r) for r in card.fusion.outputs],
+                       "inputs": len(card.tensor_inputs()), "writes": list(card.fusion.writes)}
+    return doc
 
 
 def _shapes(card: Card) -> dict[str, Any]:

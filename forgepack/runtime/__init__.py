@@ -406,3 +406,4 @@ def enable_only(ids: set[str] | None) -> None:
         _ops().set_enabled([1 if ids is None or i in ids else 0 for i in _op_ids()])
     if fused:
         fused.enable_only(ids)
+    _STATE["generation"] += 1  # a graph holds the kernels it was captured with: capture anew

@@ -45,6 +45,7 @@ from typing import Any
 
 import torch
 
+from . import stepprogram
 from .graphbackends import Captured, CudaBackend, make_backend
 from .graphkeys import first_line, tensor_bytes
 from .transformers_hooks import decode_kwargs_of, mask_once
@@ -174,7 +175,7 @@ def plain(model: Any, ids: torch.Tensor, kwargs: dict) -> tuple[Greedy | None, s
 # The step on the device
 
 
-class _State:
+class State:
     """The static buffers one decode graph reads and writes (addresses fixed for the graph's life)."""
 
     def __init__(self, rows: int, vocab: int, width: int, device: torch.device):
@@ -188,6 +189,13 @@ class _State:
         self.unfinished, self.tokens, self.alive = zeros(rows), zeros(rows, width), zeros(width)
         self.logits, self.scores = zeros(rows, vocab, dtype=torch.float32), zeros(rows, vocab, dtype=torch.float32)
         self.slots, self.mask = torch.arange(width, device=device), zeros(rows, width, dtype=torch.bool)
+        self.additive: torch.Tensor | None = None  # the mask as eager attention adds it (`additive_mask`)
+
+    def additive_mask(self, dtype: torch.dtype) -> None:
+        """Give the forward an additive mask of `dtype` (0 where a slot is attended, the dtype's lowest
+        value elsewhere), as transformers builds one for eager attention, which adds its mask to the
+        scores: a boolean mask there would add 1 to the attended slots and mask nothing."""
+        self.additive = torch.zeros(self.rows, self.width, dtype=dtype, device=self.mask.device)
 
     def start(self, batch: int, prompt: int, greedy: Greedy) -> None:
         """A request's values (host-issued fills, no sync): real rows unfinished, padding rows finished."""
@@ -226,22 +234,35 @@ class _State:
         return tensor_bytes(t for t in vars(self).values() if isinstance(t, torch.Tensor))
 
 
-def step_kwargs(forward: Any, state: _State, cache: Any) -> dict[str, Any]:
+def additive_mask_dtype(model: Any) -> torch.dtype | None:
+    """None when the model's attention takes a boolean mask as given (SDPA, flash, flex); else the dtype of
+    the additive mask its eager attention adds to the scores (the model's)."""
+    impl = str(getattr(model.config, "_attn_implementation", None) or "eager")
+    if impl == "sdpa" or "flash" in impl or "flex" in impl:
+        return None
+    return next(model.parameters()).dtype
+
+
+def step_kwargs(forward: Any, state: State, cache: Any) -> dict[str, Any]:
     """The forward's arguments for one decode step on `cache`, all read from `state`'s buffers."""
     kwargs = decode_kwargs_of(forward, state.token, cache, 0)
     kwargs["position_ids"] = state.position
     # The 4D mask generate builds for a static cache (every slot up to the position), made inside the
     # graph: transformers uses a 4D mask as given, so no mask code of its own runs under capture.
-    kwargs["attention_mask"] = state.mask.view(state.rows, 1, 1, state.width)
+    mask = state.mask if state.additive is None else state.additive
+    kwargs["attention_mask"] = mask.view(state.rows, 1, 1, state.width)
     if "cache_position" in kwargs:
         kwargs["cache_position"] = state.where
     return kwargs
 
 
-def run_step(forward: Any, state: _State, kwargs: dict[str, Any]) -> None:
+def run_step(forward: Any, state: State, kwargs: dict[str, Any]) -> None:
     """One decode step: the mask, the forward, the greedy pick, the positions advanced (what a decode
     graph holds; the build records the same step to find its blocks)."""
     torch.le(state.slots, state.position, out=state.mask)
+    if state.additive is not None:
+        lowest = torch.finfo(state.additive.dtype).min
+        state.additive.copy_(state.mask).sub_(1).mul_(-lowest)
     out = forward(**kwargs)
     state.pick(out.logits[:, -1])
     state.position.add_(1)
@@ -250,14 +271,14 @@ def run_step(forward: Any, state: _State, kwargs: dict[str, Any]) -> None:
 
 def state_bytes(rows: int, vocab: int, width: int) -> int:
     """The bytes of a decode graph's buffers, before allocating them (measured on the meta device)."""
-    return _State(rows, vocab, width, torch.device("meta")).nbytes()
+    return State(rows, vocab, width, torch.device("meta")).nbytes()
 
 
 @dataclass
 class _Loop:
     """One decode graph: its buffers, the forward's arguments, and the graph once captured."""
 
-    state: _State
+    state: State
     cache: Any
     kwargs: dict
     bucket: str
@@ -290,6 +311,7 @@ class DecodeLoop:
         self._failures: dict[str, str] = {}
         self._requests = 0
         self._fallbacks: collections.Counter = collections.Counter()
+        self._programs: dict[str, dict[str, int]] = {}  # per bucket: launches of its step, stock and with blocks
 
     # -- a request ---------------------------------------------------------------------------------------
 
@@ -376,7 +398,10 @@ class DecodeLoop:
         key = self._key(request)
         loop = self.pool.get(key)
         if loop is None or loop.cache is not request.cache or loop.state.vocab != vocab:
-            state = _State(request.rows, vocab, request.cache_len, device)
+            state = State(request.rows, vocab, request.cache_len, device)
+            dtype = additive_mask_dtype(self.server.model)
+            if dtype is not None:
+                state.additive_mask(dtype)
             kwargs = step_kwargs(self.server.eager, state, request.cache)
             bucket = f"decode b{request.rows} c{request.cache_len}"
             loop = _Loop(state, request.cache, kwargs, bucket, key, self._counts[bucket])
@@ -410,8 +435,7 @@ class DecodeLoop:
             self._run(loop)
             return
         try:
-            with mask_once():
-                captured = self.backend.capture(self._run, (loop,), {}, device)
+            captured = self._capture(loop, device)
         except Exception as err:  # the step still runs, eagerly, from now on
             self._give_up(loop, "capture failed", f"capture failed: {first_line(err)}")
             warnings.warn(f"forgepack decode loop: running eagerly for {loop.bucket}: {self._failures[loop.bucket]}",
@@ -430,6 +454,25 @@ class DecodeLoop:
         loop.counts["captures"] += 1
         loop.graph.replay()
         loop.counts["replays"] += 1
+
+    def _capture(self, loop: _Loop, device: torch.device) -> Captured:
+        """The step's graph. With an active pack's decode blocks: the step recorded as a program, each
+        verified chain found in it replaced by its block's kernel (`stepprogram.rewrite`), and the graph
+        captured from that; the masks then stay boolean for each attention to read (`mask_once` would
+        convert them once, before the layers, where no block sees it)."""
+        offered = stepprogram.kernels()
+        if not offered:
+            with mask_once():
+                return self.backend.capture(self._run, (loop,), {}, device)
+        program = stepprogram.record(run_step, self.server.eager, loop.state, loop.kwargs)
+        rewritten, placed = stepprogram.rewrite(program, offered)
+        self._programs[loop.bucket] = {"launches": program.launches(), "with_blocks": rewritten.launches(),
+                                       "blocks": len(placed)}
+        if not isinstance(self.backend, CudaBackend):
+            # The emulation records aten calls, and a pack's kernel runs inside its op's C++ body, which a
+            # dispatch mode never sees: the program itself is the replay (it calls the kernels each time).
+            return Captured(rewritten.run, None, 0, rewritten)
+        return self.backend.capture(rewritten.run, (), {}, device)
 
     @contextlib.contextmanager
     def _pool(self, device: torch.device):
@@ -460,7 +503,7 @@ class DecodeLoop:
                 "buckets": {k: dict(v) for k, v in sorted(self._counts.items())},
                 "graphs": len(graphs), "graph_bytes": sum(g.nbytes for g in graphs),
                 "bytes": self.pool.bytes_of("loop"), "evictions": self.pool.evictions["loop"],
-                "failures": dict(self._failures)}
+                "failures": dict(self._failures), "programs": {k: dict(v) for k, v in self._programs.items()}}
 
     def clear(self) -> None:
         """Drop every graph and buffer (the server's caches are going)."""

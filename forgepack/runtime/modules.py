@@ -39,9 +39,11 @@ from typing import Any
 
 import torch
 
+from . import stepprogram
 from .stockcall import flatten_outputs
 
 SPEC_FILE = "modules.json"
+STEP_SITE = "step"  # a decode block's site: served inside the decode loop's recorded step (stepprogram), no patch
 _MISSING = object()
 _OFF = "__forgepack_off__"  # set on a patch that could not be removed (wrapped since): it calls the original
 FACT_TYPES = (bool, int, float, str, type(None))
@@ -626,10 +628,15 @@ class PackModules:
     def __init__(self, spec: dict[str, Any]):
         self.spec = spec
         self.namespace = spec["namespace"]
-        self.sites = [Site.from_json(s) for s in spec.get("sites", [])]
+        every = [Site.from_json(s) for s in spec.get("sites", [])]
+        self.sites = [s for s in every if s.kind != STEP_SITE]  # module and function patches
+        self.steps = [s for s in every if s.kind == STEP_SITE]  # decode blocks (`step_kernels`)
         self.variant_ids = [v["id"] for v in spec.get("variants", [])]
         self.patches: ModulePatches | None = None
         self.loaded = False
+        self.active = False
+        self._chains = [stepprogram.Chain.from_json(s.variants[0] if s.variants else str(s.index), s.form)
+                        for s in self.steps]
 
     @classmethod
     def read(cls, root: Any) -> PackModules | None:
@@ -662,9 +669,28 @@ class PackModules:
                 return fused(site.index, tensors) or None
 
             self.patches = ModulePatches(self.sites, call, shapes=site_shapes(self.spec))
-        return self.patches.install()
+        skipped = self.patches.install()
+        self.active = True
+        if self.steps:
+            stepprogram.provide(self.step_kernels)
+        return skipped
+
+    def step_kernels(self) -> list[tuple[stepprogram.Chain, Callable]]:
+        """The decode blocks' chains and their kernels, for the decode loop's recorded step (empty while
+        the pack is not active)."""
+        if not self.active:
+            return []
+        fused = self._ops().fused.default
+
+        def caller(index: int) -> Callable:
+            return lambda tensors: fused(index, tensors) or None
+
+        return [(chain, caller(site.index)) for chain, site in zip(self._chains, self.steps, strict=True)]
 
     def deactivate(self) -> None:
+        self.active = False
+        if self.steps:
+            stepprogram.withdraw(self.step_kernels)
         if self.patches is not None:
             self.patches.remove()
 
@@ -674,7 +700,12 @@ class PackModules:
         raw = list(self._ops().fused_stats()) if self.loaded else [0] * (2 * n)
         site_rows = self.patches.stats() if self.patches is not None else {}
         out = {}
+        steps = {s.index for s in self.steps}
         for k, v in enumerate(self.spec.get("variants", [])):
+            if set(v["sites"]) <= steps:  # a decode block: counted per captured decode graph, no misses
+                out[v["id"]] = {"op": v["op"], "hits": raw[k], "misses": 0, "errors": raw[n + k],
+                                "sites": list(v["sites"])}
+                continue
             calls = sum(site_rows.get(s, {"calls": 0})["calls"] for s in v["sites"])
             out[v["id"]] = {"op": v["op"], "hits": raw[k], "misses": calls - raw[k], "errors": raw[n + k],
                             "sites": list(v["sites"])}

@@ -550,3 +550,24 @@ def _assemble(program: Program, placed: dict[int, tuple[Match, Callable]]) -> tu
         if dropped is None:
             return steps, kernels
         del placed[dropped]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Who offers kernels: an active pack's decode blocks (`modules.PackModules.step_kernels`)
+
+_SOURCES: list[Callable[[], list[tuple[Chain, Callable]]]] = []
+
+
+def provide(source: Callable[[], list[tuple[Chain, Callable]]]) -> None:
+    if source not in _SOURCES:
+        _SOURCES.append(source)
+
+
+def withdraw(source: Callable[[], list[tuple[Chain, Callable]]]) -> None:
+    if source in _SOURCES:
+        _SOURCES.remove(source)
+
+
+def kernels() -> list[tuple[Chain, Callable]]:
+    """Every chain an active pack serves in a decode step, with its kernel."""
+    return [k for source in list(_SOURCES) for k in source()]

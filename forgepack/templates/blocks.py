@@ -973,7 +973,9 @@ def _attention_cpu(card: Card, plan: AttentionPlan) -> str:
       top = next;
     }}
     {ot}* o = p.out0 + b * {out.stride[0]} + (h * {plan.queries} + l) * {plan.dim};
-    for (int64_t d = 0; d < {plan.dim}; ++d) o[d] = fp_st<{ot}>(acc[d] / total);
+    // no live slot: 0, as the flash kernels give (the math path would give NaN; a served step always
+    // has one, its own)
+    for (int64_t d = 0; d < {plan.dim}; ++d) o[d] = fp_st<{ot}>(total > 0.0f ? acc[d] / total : 0.0f);
   }}
   {launch_status("cpu")}"""
     return prelude("cpu") + struct + _entry(card, "cpu", body)
@@ -1082,7 +1084,7 @@ __global__ void __launch_bounds__({threads}) fp_attention(const fp_args p) {{
       total += wl[w][r] * f;
       acc += wo[w][r][d] * f;
     }}
-    p.out0[b * {out.stride[0]} + (kh * {nq} + r) * {plan.dim} + d] = fp_st<{ot}>(acc / total);
+    p.out0[b * {out.stride[0]} + (kh * {nq} + r) * {plan.dim} + d] = fp_st<{ot}>(total > 0.0f ? acc / total : 0.0f);
   }}
 }}
 """
