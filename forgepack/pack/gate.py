@@ -25,6 +25,12 @@ Run in a subprocess (`python -m forgepack.pack.gate`), so the build process neve
    with every kernel fails but stock replays, a kernel whose replay differs from eager on its own is
    dropped (`graph_breakers`), and the rest are judged under graph replay.
 
+4. Decode blocks (`forgepack.blocks`) run only inside the served decode loop's recorded step, never in a
+   forward: they are judged on generate() served by the pack (`gate_blocks`): the served tokens equal
+   stock's (else each kind of block is tried alone), each block is placed in the step, each kind pays
+   (the served generate() without that kind against with every block, re-measured when the interval
+   straddles 1) and the blocks together pay against none.
+
 Every ratio printed is median(a) / median(b) of the per-round times printed with it. `decide_pay` and
 `pack_pays` (pure) turn the measurements into keep/drop decisions with reasons; the parent
 (`forgepack.pack.builder`) rebuilds the pack from what is kept and runs mode "verify" on it.
@@ -495,9 +501,171 @@ def _whole_pack(lm, pack, keep: list[str], timer: Timer, ratios: dict[str, tuple
         keep = [i for i in keep if i != worst]
 
 
+# --- decode blocks: judged where they run, in the served decode loop --------------------------------------
+# A block's kernel runs only inside the decode loop's recorded step (`runtime/stepprogram`), never in a
+# forward: its use, its outputs and what it saves are measured on generate() served by the pack (CUDA
+# graphs, or the emulation on the CPU), against generate() without the pack and without each kind of
+# block in turn.
+
+BLOCK_TOKENS = 32
+BLOCK_PROMPT = 16
+
+
+def block_ids(pack) -> list[str]:
+    """The pack's decode blocks (their ops are `blocks.BLOCK_OPS`)."""
+    from forgepack.blocks import BLOCK_OPS
+
+    return [v["id"] for v in pack.fused_kernels() if v["op"] in BLOCK_OPS]
+
+
+class Served:
+    """generate() of BLOCK_TOKENS tokens on fixed prompts, one per batch bucket the blocks were built for,
+    served by the pack's decode loop with only the given kernels enabled (`serve`), or stock (`stock`)."""
+
+    def __init__(self, lm, pack):
+        import torch
+
+        from forgepack import blocks
+
+        self.lm, self.pack = lm, pack
+        rows = sorted({r for r, _ in blocks.decode_points(lm.recipe, lm.model)})
+        vocab = int(lm.model.config.get_text_config().vocab_size)
+        gen = torch.Generator().manual_seed(7)
+        self.prompts = [torch.randint(0, vocab, (r, BLOCK_PROMPT), generator=gen).to(lm.device) for r in rows]
+        self.backend = "cuda" if lm.device.type == "cuda" else "emulate"
+        self.serving = False
+
+    def serve(self, ids: set[str]) -> None:
+        if not self.serving:
+            self.pack.deactivate()
+            self.pack.activate(strict=True, graphs=True, model=self.lm.model, backend=self.backend)
+            self.serving = True
+        self.pack.enable_only(ids)
+
+    def stock(self) -> None:
+        self.pack.deactivate()
+        self.serving = False
+
+    def run(self, logits: bool = False) -> list:
+        from forgepack import models
+
+        return [models.generate(self.lm.model, p, BLOCK_TOKENS, logits=logits) for p in self.prompts]
+
+
+def _blocks_agree(served: Served, ids: set[str]) -> tuple[bool, str]:
+    """The served tokens with these kernels are stock's (a divergence only where stock's top two tie)."""
+    served.stock()
+    stock = served.run(logits=True)
+    served.serve(ids)
+    got = served.run()
+    for ref, seq in zip(stock, got, strict=True):
+        logits = [step.double().cpu() for step in ref.logits]
+        ok, note = greedy_agree(ref.sequences[:, BLOCK_PROMPT:].tolist(), seq[:, BLOCK_PROMPT:].tolist(), logits,
+                                model_rtol(served.lm))
+        if not ok:
+            return False, f"served generate() at batch {seq.shape[0]}: {note}"
+    batches = [p.shape[0] for p in served.prompts]
+    return True, f"served generate() gives stock's {BLOCK_TOKENS} tokens at batch {batches}"
+
+
+def gate_blocks(lm, pack, blocks_: list[str], others: list[str], mode: str, timer: Timer
+                ) -> tuple[list[str], dict[str, str], dict[str, tuple], Timing | None, str]:
+    """(kept blocks, dropped with reasons, ratios, the timing of blocks against none, the output note):
+    correct together (else each kind alone decides), used, each kind paying (the served generate() without
+    that kind against with all), and the blocks together paying against none."""
+    import torch
+
+    served = Served(lm, pack)
+    kinds: dict[str, list[str]] = {}
+    for vid in blocks_:
+        kinds.setdefault(vid.split("-")[0].removeprefix("fusion_"), []).append(vid)
+    dropped: dict[str, str] = {}
+    with torch.no_grad():
+        ok, note = _blocks_agree(served, set(others) | set(blocks_))
+        if not ok:
+            for vids in kinds.values():
+                alone, why = _blocks_agree(served, set(others) | set(vids))
+                if not alone:
+                    dropped.update({v: f"changes the served tokens: {why}" for v in vids})
+        keep = [v for v in blocks_ if v not in dropped]
+        before = pack.stats()
+        served.serve(set(others) | set(keep))
+        served.run()
+        after = pack.stats()
+        for vid in keep:
+            if after[vid]["hits"] == before[vid]["hits"]:
+                dropped[vid] = "never placed: its chain matched nothing in the served decode step"
+        keep = [v for v in keep if v not in dropped]
+        if not keep or mode != "full":
+            served.stock()
+            return keep, dropped, {}, None, note
+        present = {k: [v for v in vids if v in keep] for k, vids in kinds.items()}
+        present = {k: v for k, v in present.items() if v}
+        base = set(others)
+        configs = {"blocks": base | set(keep), "none": base,
+                   **{f"without:{k}": base | (set(keep) - set(v)) for k, v in present.items()}}
+
+        @contextlib.contextmanager
+        def switched(name: str):
+            served.serve(configs[name])
+            yield
+
+        def measure(names: list[str], t: Timer, seed: int) -> Timing:
+            forwards = {name: served.run for name in names}
+            return Timing(modeltiming.interleaved_ms(forwards, t.rounds, t.reps, modeltiming.device_sync(lm.device),
+                                                     seed, switched, clock=t.clock))
+
+        timing = measure(list(configs), timer, 0)
+        judged = {k: timing.ratio(f"without:{k}", "blocks") for k in present}
+        unsure = [k for k, r in judged.items() if interval(*r[1:]) == "straddles"]
+        if unsure:  # measured again, with more rounds, before a kind is judged
+            again = measure(["blocks", *(f"without:{k}" for k in unsure)], timer.more(), 2)
+            judged.update({k: again.ratio(f"without:{k}", "blocks") for k in unsure})
+        served.stock()
+    ratios: dict[str, tuple] = {}
+    for kind, vids in present.items():
+        ratio = judged[kind]
+        for v in vids:
+            ratios[v] = ratio
+        if interval(*ratio[1:]) != "above":
+            dropped.update({v: f"the served decode is not faster with the {kind} block: without it "
+                               f"{ratio[0]:.3f}x [{ratio[1]:.3f}, {ratio[2]:.3f}] of the time with it" for v in vids})
+    keep = [v for v in keep if v not in dropped]
+    whole = timing.ratio("none", "blocks")
+    if keep and interval(*whole[1:]) != "above":
+        dropped.update({v: f"the blocks together do not pay in the served decode: {whole[0]:.3f}x "
+                           f"[{whole[1]:.3f}, {whole[2]:.3f}]" for v in keep})
+        keep = []
+    return keep, dropped, ratios, timing, note
+
+
 def evaluate(lm, pack, mode: str, rounds: int = ROUNDS, reps: int = REPS,
              clock: Clock = time.perf_counter) -> GateOutcome:
-    ids = pack.variant_ids()
+    blocks_ = block_ids(pack)
+    ids = [i for i in pack.variant_ids() if i not in blocks_]
+    outcome = _evaluate_forward(lm, pack, ids, mode, rounds, reps, clock)
+    if not blocks_:
+        return outcome
+    timer = Timer(rounds, reps, clock)
+    kept, dropped, ratios, timing, note = gate_blocks(lm, pack, blocks_, list(outcome.kept), mode, timer)
+    summary = outcome.summary
+    if timing is not None and not outcome.kept:
+        # a pack of blocks alone: its summary is the served decode, with and without them
+        ratio, low, high = timing.ratio("none", "blocks")
+        summary = dataclasses.replace(summary, stock_ms=timing.median("none"), pack_ms=timing.median("blocks"),
+                                      speedup=ratio, ci=(low, high), rounds=len(timing.rounds["blocks"]),
+                                      reps=reps, timed_under="served decode", pays=bool(kept),
+                                      outputs=note)
+    refused = outcome.refused if outcome.kept or not kept else ""
+    if not outcome.kept and not kept:
+        refused = refused or "no kernel pays end to end"
+    return dataclasses.replace(outcome, kept=(*outcome.kept, *kept), dropped={**outcome.dropped, **dropped},
+                               ratios={**outcome.ratios, **ratios}, summary=summary, refused=refused,
+                               outputs={**outcome.outputs, "blocks": note})
+
+
+def _evaluate_forward(lm, pack, ids: list[str], mode: str, rounds: int, reps: int, clock: Clock) -> GateOutcome:
+    """The gate of every kernel that runs in a forward (steps 1-3 of the module docstring)."""
     tokens = lm.recipe.workload.task == "causal-lm"
     keep, dropped, outputs = _correct(lm, pack, ids, tokens)
     hits = count_hits(lm, pack, ids)

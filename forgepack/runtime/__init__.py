@@ -41,7 +41,7 @@ HERE = Path(__file__).resolve().parent
 _LOG = logging.getLogger(__name__)
 _LOCK = threading.RLock()
 _STATE: dict[str, Any] = {"manifest": None, "verified": False, "loaded": False, "active": False,
-                          "graphs": False, "generation": 0, "fused": None, "mismatch": False}
+                          "graphs": False, "generation": 0, "fused": None, "mismatch": False, "enabled": None}
 
 
 class PackError(RuntimeError):
@@ -257,7 +257,7 @@ def _enable_graphs(model: Any, options: dict[str, Any]) -> None:
         return
     # A graph replays the kernels it was captured with: a new generation after every (de)activation
     # keys fresh graphs, so a stale one is never replayed.
-    options.setdefault("context_key", lambda: _STATE["generation"])
+    options.setdefault("context_key", lambda: (_STATE["generation"], _STATE["enabled"]))
     from . import serving
 
     serve = options.pop("serve", True)
@@ -406,4 +406,5 @@ def enable_only(ids: set[str] | None) -> None:
         _ops().set_enabled([1 if ids is None or i in ids else 0 for i in _op_ids()])
     if fused:
         fused.enable_only(ids)
-    _STATE["generation"] += 1  # a graph holds the kernels it was captured with: capture anew
+    # a graph holds the kernels it was captured with: graphs are keyed by the enabled set too
+    _STATE["enabled"] = None if ids is None else tuple(sorted(ids))
