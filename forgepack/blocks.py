@@ -39,7 +39,7 @@ from forgepack.runtime.modules import STEP_SITE
 from forgepack.runtime.stepprogram import Node, Program, Val, record
 from forgepack.runtime.stockcall import bind, encode_value, op_key
 
-KINDS = ("qkv", "attention", "proj_add", "gate_up", "lm_head")
+KINDS = ("qkv", "attention", "proj_add", "gate_up", "lm_head", "cache_index")
 BLOCK_OPS = tuple(f"fusion.{k}.default" for k in KINDS)
 
 LINEAR_OPS = frozenset({"aten::mm", "aten::addmm"})
@@ -344,8 +344,37 @@ def find(program: Program) -> tuple[list[Block], list[Skipped]]:
             claimed.update(made.nodes)
         else:
             skipped.append(Skipped(f"attention at call {nodes[0]}", made))
+    blocks += [b for b in (_cache_index(g, b, claimed) for b in list(blocks) if b.kind == "qkv") if b is not None]
     blocks.sort(key=lambda b: b.nodes[-1])
     return blocks, skipped
+
+
+def _cache_index(g: _Graph, qkv: Block, claimed: set[int]) -> Block | None:
+    """transformers' StaticCache (5.2x) computes a layer's write slot from a device counter and bumps it:
+    `arange(n) + counter`, then `counter.add_(n)`. One launch for the three: the slot written out, the
+    counter bumped (a cache_index block); none where a step passes its positions instead."""
+    writes = [i for i in qkv.nodes if g.name(i) in CACHE_WRITES]
+    if not writes or not isinstance(g.steps[writes[0]].args[2], Val):
+        return None
+    index = g.steps[writes[0]].args[2].id
+    add = g.made_by(index)
+    if add is None or g.name(add) != "aten::add":
+        return None
+    a, b = g.steps[add].args[:2]
+    if not (isinstance(a, Val) and isinstance(b, Val)):
+        return None
+    nodes, arange = [add], g.made_by(a.id)
+    while arange is not None and g.name(arange) in ("aten::detach", "aten::alias"):  # arange made under no_grad
+        nodes.append(arange)
+        arange = g.made_by(g.steps[arange].args[0].id)
+    counter = b.id
+    if arange is None or g.name(arange) != "aten::arange" or not g.external(counter) or g.meta(counter).dim() != 0:
+        return None
+    bumps = [i for i in range(add + 1, writes[0]) if g.name(i) == "aten::add_" and g.steps[i].writes == (counter,)]
+    if len(bumps) != 1 or set(g.readers.get(index, ())) - set(qkv.nodes) or set(nodes) & claimed:
+        return None
+    made = _as_block(g, "cache_index", sorted([arange, *nodes, bumps[0]]))
+    return made if isinstance(made, Block) else None
 
 
 def _where(g: _Graph, group: list[Linear]) -> str:
@@ -639,10 +668,27 @@ def build(model: Any, recipe: Any, device: torch.device, facts: Any, op_cards: l
     profiled = fusion.profile_cards(found, sample_sets, device, facts, total, op_cards) if facts is not None else found
     cards, samples = [], {}
     for card, members in families.fold_members(profiled):
+        card = _slots_within_every_member(card, members)
         cards.append(card)
         rep = max(members, key=lambda m: m.calls)
         samples[card.id] = sample_sets[rep.id]
     return BlockResult(cards, samples, skipped, points, launches)
+
+
+def _slots_within_every_member(card: Card, members: list[Card]) -> Card:
+    """A family over the cache's length draws its write slots from the shortest member's cache (the
+    fold pools value statistics, and a slot past a short cache is no input of that member)."""
+    if card.family is None or not card.fusion.writes:
+        return card
+    args = list(card.args)
+    for k, a in enumerate(args):
+        st = a.tensor.stats if a.kind == "tensor" and a.tensor is not None else None
+        if st is None or a.tensor.dtype != "int64":
+            continue
+        top = min(m.args[k].tensor.stats.max for m in members if m.args[k].tensor.stats is not None)
+        stats = dataclasses.replace(st, mean=top / 2, std=top / 4, min=0.0, max=top)
+        args[k] = dataclasses.replace(a, tensor=dataclasses.replace(a.tensor, stats=stats))
+    return dataclasses.replace(card, args=tuple(args))
 
 
 def _sample(program: Program, block: Block) -> list:

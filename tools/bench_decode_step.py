@@ -7,6 +7,8 @@ column), at every (batch, prompt) point asked for:
   `StaticCache`, an eager prefill, then a greedy loop whose whole step (forward + argmax) is
   `torch.compile(mode="reduce-overhead", fullgraph=True)`;
 - `graphs`: forgepack's served `generate()` (its decode loop replaying CUDA graphs), no pack;
+- `pack+graphs`: the same with a pack (`--pack WHEEL`) activated on the model: its decode blocks
+  (`forgepack/blocks.py`) replace the step's chains inside the captured graph;
 - `eager`: transformers' `generate()` with a static cache, nothing compiled.
 
 A step's time is taken over `--steps` decode steps per round, `--rounds` rounds (each kept); GPU time
@@ -19,6 +21,7 @@ bytes) over the bandwidth of a device-to-device copy on this card and over its s
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import statistics
@@ -28,7 +31,7 @@ import time
 from pathlib import Path
 
 SPEC_TBPS = {"H100": 3.35, "H200": 4.8}  # the vendors' spec sheets, SXM parts
-COLUMNS = ("eager", "graphs", "compiled-loop")
+COLUMNS = ("eager", "graphs", "compiled-loop")  # and pack+graphs, given --pack
 
 
 def copy_bandwidth_tbps() -> float:
@@ -150,12 +153,36 @@ def _generate_steps(model, ids, generate):
 def column_main(args) -> list[dict]:
     """Every (batch, prompt) point of one column, in this process: one model load, each point warmed."""
     model = _load(args.recipe)
+    server = None
     if args.column == "graphs":
         from forgepack.runtime import serving
 
-        serving.serve(model)
+        server = serving.serve(model)
+    elif args.column == "pack+graphs":
+        pack = _installed(args.pack)
+        if not pack.activate(strict=True, graphs=True, model=model):
+            raise SystemExit("the pack did not activate")
+        server = importlib.import_module(pack.__name__ + ".serving").server(model)
     points = [tuple(map(int, x.split("x"))) for x in args.points.split(",")]
-    return [point_main(model, args, batch, prompt) for batch, prompt in points]
+    results = [point_main(model, args, batch, prompt) for batch, prompt in points]
+    if server is not None:  # launches per step of each decode graph, stock and with the pack's blocks
+        programs = server.stats()["decode_loop"].get("programs", {})
+        for r in results:
+            r["programs"] = programs
+    return results
+
+
+def _installed(wheel: str):
+    """A pack wheel unpacked into a temporary folder and imported (as `pip install` would lay it out)."""
+    import tempfile
+    import zipfile
+
+    root = Path(tempfile.mkdtemp(prefix="forgepack-pack-"))
+    with zipfile.ZipFile(wheel) as z:
+        z.extractall(root)
+    sys.path.insert(0, str(root))
+    name = next(p.name for p in root.iterdir() if p.is_dir() and p.name.startswith("forgepack_pack_"))
+    return importlib.import_module(name)
 
 
 def point_main(model, args, batch: int, prompt: int) -> dict:
@@ -199,9 +226,10 @@ def point_main(model, args, batch: int, prompt: int) -> dict:
 # The driver
 
 
-def run_column(column: str, recipe: str, points: str, steps: int, rounds: int, limit: float) -> list[dict]:
+def run_column(column: str, recipe: str, points: str, steps: int, rounds: int, limit: float,
+               pack: str | None = None) -> list[dict]:
     cmd = [sys.executable, __file__, "--column", column, "--recipe", recipe, "--points", points,
-           "--steps", str(steps), "--rounds", str(rounds)]
+           "--steps", str(steps), "--rounds", str(rounds), *(["--pack", pack] if pack else [])]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parent.parent),
                                                        os.environ.get("PYTHONPATH", "")]))
     try:
@@ -234,6 +262,7 @@ def main() -> int:
     p.add_argument("--column")
     p.add_argument("--recipe")
     p.add_argument("--points", help="a column process's points: BxP,BxP")
+    p.add_argument("--pack", help="a pack wheel for the pack+graphs column (added to the columns when given)")
     args = p.parse_args()
     if args.column:  # a column's own process
         print(json.dumps(column_main(args)))
@@ -245,9 +274,12 @@ def main() -> int:
     copy_tbps, spec = (copy_bandwidth_tbps() if cuda else 0.0), spec_tbps(name)
     rows, results = [], []
     points = ",".join(f"{b}x{q}" for b in args.batches.split(",") for q in args.prompts.split(","))
+    columns = args.columns.split(",")
+    if args.pack and "pack+graphs" not in columns:
+        columns.append("pack+graphs")
     for recipe in args.recipes.split(","):
-        for column in args.columns.split(","):
-            for r in run_column(column, recipe, points, args.steps, args.rounds, args.limit):
+        for column in columns:
+            for r in run_column(column, recipe, points, args.steps, args.rounds, args.limit, args.pack):
                 r.setdefault("recipe", recipe)
                 if "error" not in r:
                     floor_bytes = r["weight_bytes"] + r["kv_bytes"]

@@ -1120,3 +1120,64 @@ class AttentionBlockTemplate(_BlockTemplate):
 
 
 TEMPLATES = (*TEMPLATES, AttentionBlockTemplate("blocks.attention", "blocks", ("cuda", "cpu"), BLOCK_OPS))
+
+
+# --- the cache's write slot ------------------------------------------------------------------------------------
+
+
+def index_plan(card: Card) -> tuple[int, int]:
+    """(slots written, counter bump) of a cache_index block: `arange(n) + counter`, `counter.add_(m)`."""
+    if _block_of(card).get("kind") != "cache_index":
+        raise Refused("not a cache_index block")
+    chain = [e for e in entries(card) if e.op not in ("detach", "alias")]
+    if [e.op for e in chain] != ["arange", "add", "add_"]:
+        raise Refused("not arange, add, add_")
+    arange, add, bump = chain
+    made = {chain[0].index}
+    for e in entries(card):
+        if e.op in ("detach", "alias") and _plain(_source(e)) == ("t", next(iter(made)), 0):
+            made = {e.index}
+    n, m = arange.value("end"), bump.value("other")
+    if not isinstance(n, int) or not isinstance(m, int) or add.value("alpha", 1) != 1 or bump.value("alpha", 1) != 1:
+        raise Refused("a bump or length that is not an integer")
+    if _plain(add.tensor("self")) != ("t", next(iter(made)), 0) or _plain(add.tensor("other")) != ("in", 0) \
+            or _plain(bump.tensor("self")) != ("in", 0):
+        raise Refused("not the counter's own slot and bump")
+    if card.tensor_inputs()[0].dtype != "int64" or card.outputs[0].dtype != "int64" or card.outputs[0].shape != (n,):
+        raise Refused("not an int64 counter")
+    return n, m
+
+
+class IndexBlockTemplate(_BlockTemplate):
+    """The slots a step's cache write takes, and the counter bumped, in one launch (one thread each)."""
+
+    def plan(self, card: Card, target: str):
+        if card.op not in BLOCK_OPS:
+            raise Refused("not a decode block")
+        return index_plan(card)
+
+    def axes(self, plan, target):
+        return {}
+
+    def emit(self, card: Card, plan, target: str, params: dict) -> str:
+        n, m = plan
+        struct, inits = _fields(card, target)
+        if target == "cpu":
+            body = "\n  ".join(["fp_args p;", *inits,
+                                 "const int64_t c = p.in0[0];",
+                                 f"for (int64_t i = 0; i < {n}; ++i) p.out0[i * {card.outputs[0].stride[0]}] = c + i;",
+                                 f"((int64_t*)p.in0)[0] = c + {m};", launch_status("cpu")])
+            return prelude("cpu") + struct + _entry(card, "cpu", body)
+        kernel = f"""
+__global__ void fp_index(const fp_args p) {{
+  const int64_t c = p.in0[0];
+  __syncthreads();  // every thread has read the counter before one of them bumps it
+  for (int64_t i = threadIdx.x; i < {n}; i += blockDim.x) p.out0[i * {card.outputs[0].stride[0]}] = c + i;
+  if (threadIdx.x == 0) ((int64_t*)p.in0)[0] = c + {m};
+}}
+"""
+        body = "\n  ".join(["fp_args p;", *inits, "fp_index<<<1, 32, 0, stream>>>(p);", launch_status("cuda")])
+        return prelude("cuda") + struct + kernel + _entry(card, "cuda", body)
+
+
+TEMPLATES = (*TEMPLATES, IndexBlockTemplate("blocks.index", "blocks", ("cuda", "cpu"), BLOCK_OPS))

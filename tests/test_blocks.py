@@ -1,0 +1,326 @@
+"""Decode blocks (forgepack/blocks.py, templates/blocks.py, runtime/stepprogram.py) on the CPU.
+
+- a decode step recorded as a program replays exactly what eager runs, step after step;
+- the five blocks are found from dataflow alone in tiny Llama, Qwen2 (q/k/v biases), Mistral and Phi-3
+  (fused qkv and gate_up weights) configs, with no model class named anywhere;
+- each block's chain, put back by the matcher with stock's own replay as its "kernel", gives eager's
+  tokens and logits bit for bit; a chain whose constant differs is not matched; a kernel that refuses
+  leaves the recorded calls in place;
+- every block's CPU render passes the full verifier, and kernels that cheat are rejected: one that skips
+  the cache write, one that writes another slot, one that reads masked-out slots;
+- end to end: a decode recipe of the grammar-trained tiny model, built through the CLI with the gate on,
+  serves generate() from its wheel with the blocks placed in the step and stock's tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from forgepack import blocks, evaluate, opcall, trainedlm
+from forgepack.runtime import decodeloop, stepprogram
+from forgepack.templates import blocks as block_templates
+from forgepack.templates import templates_for
+
+REPO = Path(__file__).resolve().parent.parent
+COMMON = dict(pad_token_id=0, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, vocab_size=256, head_dim=16, max_position_embeddings=256)
+CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
+           "phi3": "Phi3ForCausalLM"}
+
+
+def tiny(arch: str, dtype=torch.float32):
+    import transformers
+
+    extra = {"mistral": {"sliding_window": None}}.get(arch, {})
+    config = transformers.AutoConfig.for_model(arch, **COMMON, **extra)
+    torch.manual_seed(0)
+    return getattr(transformers, CLASSES[arch])(config).eval().to(dtype)
+
+
+def program_of(model, rows: int = 2, width: int = 32) -> stepprogram.Program:
+    with torch.no_grad():
+        return blocks.record_step(model, rows, width, prompt=8)
+
+
+def stepper(model, rows: int = 2, width: int = 32):
+    """A fresh cache prefilled with the same prompt, the loop's state and the step's arguments."""
+    from transformers import StaticCache
+
+    cache = StaticCache(config=model.config, max_cache_len=width)
+    ids = torch.randint(0, model.config.vocab_size, (rows, 8), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        model(input_ids=ids, past_key_values=cache, use_cache=True, cache_position=torch.arange(8))
+    state = decodeloop.State(rows, model.config.vocab_size, width, torch.device("cpu"))
+    state.start(rows, 8, decodeloop.Greedy(10, 0, (), 0, False, False, False))
+    state.token.fill_(3)
+    return state, cache, decodeloop.step_kwargs(model.forward, state, cache)
+
+
+def stock_kernel(card):
+    """The card's chain replayed with stock ops, writing its written inputs in place as a kernel does."""
+    plan = opcall.chain_plan(card, torch.device("cpu"))
+
+    def call(tensors):
+        inputs, values = plan._run(tensors)
+        for i in card.fusion.writes:
+            tensors[i].copy_(inputs[i])
+        return [values[r[1]][r[2]] for r in card.fusion.outputs]
+
+    return call
+
+
+def chain_of(card) -> stepprogram.Chain:
+    form = {"chain": [e.to_json() for e in card.chain], "outputs": [list(r) for r in card.fusion.outputs],
+            "inputs": len(card.tensor_inputs()), "writes": list(card.fusion.writes)}
+    return stepprogram.Chain.from_json(card.id, form)
+
+
+def cards_of(program):
+    found, _ = blocks.find(program)
+    return [blocks.make_card(program, b) for b in found]
+
+
+def replayed_equals_eager(model, runner, steps: int = 4) -> None:
+    a, _, ka = stepper(model)
+    b, _, kb = stepper(model)
+    with torch.no_grad():
+        run = runner(a, ka)
+        for _ in range(steps):
+            run()
+            decodeloop.run_step(model.forward, b, kb)
+            assert torch.equal(a.tokens, b.tokens)
+            assert torch.equal(a.logits, b.logits)
+
+
+def test_a_recorded_step_replays_what_eager_runs():
+    model = tiny("llama")
+
+    def runner(state, kwargs):
+        return stepprogram.record(decodeloop.run_step, model.forward, state, kwargs).run
+
+    replayed_equals_eager(model, runner)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "phi3"])
+def test_the_five_blocks_are_found_from_dataflow_alone(arch):
+    program = program_of(tiny(arch))
+    found, skipped = blocks.find(program)
+    kinds = [b.kind for b in found]
+    per_layer = COMMON["num_hidden_layers"]
+    assert kinds.count("qkv") == kinds.count("attention") == kinds.count("gate_up") == per_layer, kinds
+    assert kinds.count("proj_add") == 2 * per_layer and kinds.count("lm_head") == 1, kinds
+    assert skipped == []
+    qkv = next(b for b in found if b.kind == "qkv")
+    assert len(qkv.writes) == 2  # the key and the value cache
+    linears = qkv.params["linears"]
+    assert len(linears) == (1 if arch == "phi3" else 3)  # Phi-3's fused qkv weight is one product
+    assert all(b >= 0 for _, b, _ in linears) == (arch == "qwen2")  # Qwen2's biases ride in the block
+    cards = cards_of(program)
+    # the five blocks, and where transformers' cache bumps a device counter per layer, its slot as one launch
+    assert {c.op for c in cards} >= {f"fusion.{k}.default" for k in blocks.KINDS if k != "cache_index"}
+    # what remains outside the blocks is the step's edges: embedding, rotary tables, the cache counters,
+    # the greedy pick; no projection and no attention
+    covered = {i for b in found for i in b.nodes}
+    left = {program.steps[i].name for i in range(len(program.steps)) if i not in covered}
+    assert not left & {"aten::mm", "aten::addmm", *blocks.ATTENTION_OPS}
+
+
+def test_a_step_whose_shape_matches_no_block_says_why():
+    """Gemma-2 normalises a projection's output before the residual add, which no block serves: those
+    projections keep their stock kernels, and the reason is given (its QKV and MLP blocks still match)."""
+    import transformers
+
+    config = transformers.AutoConfig.for_model("gemma2", **COMMON, layer_types=["full_attention"] * 2)
+    torch.manual_seed(0)
+    program = program_of(transformers.Gemma2ForCausalLM(config).eval())
+    found, skipped = blocks.find(program)
+    assert [b.kind for b in found].count("qkv") == 2 and [b.kind for b in found].count("gate_up") == 2
+    assert skipped and all(s.reason for s in skipped)
+    assert any("matches no decode block" in s.reason for s in skipped), skipped
+
+
+def test_blocks_put_back_by_the_matcher_give_eagers_tokens_and_logits():
+    model = tiny("llama")
+    cards = cards_of(program_of(model, rows=2))
+    offered = [(chain_of(c), stock_kernel(c)) for c in cards]
+
+    def runner(state, kwargs):
+        program = stepprogram.record(decodeloop.run_step, model.forward, state, kwargs)
+        rewritten, placed = stepprogram.rewrite(program, offered)
+        assert len(placed) == len(cards_of(program))  # every block the step has, placed
+        assert rewritten.launches() < program.launches() // 2
+        return rewritten.run
+
+    replayed_equals_eager(model, runner)
+
+
+def test_a_chain_that_differs_is_not_matched_and_a_refusing_kernel_leaves_the_calls():
+    model = tiny("llama")
+    program = program_of(model, rows=2)
+    cards = cards_of(program)
+    qkv = next(c for c in cards if c.fusion.pattern == "qkv")
+    chain = chain_of(qkv)
+    eps = next(k for k, (op, _) in enumerate(chain.entries) if op == "aten.add.Tensor")
+    op, args = chain.entries[eps]
+    other = tuple(("v", 2e-6) if a == ("v", 1e-6) else a for a in args)
+    assert other != args
+    changed = dataclasses.replace(chain, entries=(*chain.entries[:eps], (op, other), *chain.entries[eps + 1:]))
+    _, placed = stepprogram.rewrite(program, [(changed, stock_kernel(qkv))])
+    assert placed == []
+    calls = []
+    refusing = [(chain, lambda tensors: calls.append(1))]  # returns None: a guard miss
+
+    def runner(state, kwargs):
+        p = stepprogram.record(decodeloop.run_step, model.forward, state, kwargs)
+        rewritten, placed = stepprogram.rewrite(p, refusing)
+        assert len(placed) == 2
+        return rewritten.run
+
+    replayed_equals_eager(model, runner, steps=2)
+    assert calls  # asked, refused, and the recorded calls ran instead
+
+
+@pytest.mark.parametrize("arch,dtype", [("llama", torch.bfloat16), ("qwen2", torch.float32), ("phi3", torch.bfloat16)])
+def test_every_block_render_passes_the_verifier_on_the_cpu(arch, dtype):
+    cards = {c.fusion.pattern: c for c in cards_of(program_of(tiny(arch, dtype)))}
+    assert set(cards) >= set(blocks.KINDS) - {"cache_index"}
+    for kind, card in cards.items():
+        templates = templates_for(card, "cpu")
+        assert templates, kind
+        t = templates[0]
+        source = t.render(card, "cpu", t.default(card, "cpu"))
+        verdict = evaluate.evaluate(card, source, target="cpu", bench=False)
+        assert verdict.category is None, (kind, verdict.reason)
+
+
+def _with_body(source: str, old: str, new: str) -> str:
+    assert old in source, old
+    return source.replace(old, new)
+
+
+def test_kernels_that_cheat_on_the_cache_or_the_mask_are_rejected():
+    cards = {c.fusion.pattern: c for c in cards_of(program_of(tiny("llama")))}
+    qkv = cards["qkv"]
+    source = block_templates.GemvBlockTemplate("blocks.gemv", "blocks", ("cpu",), blocks.BLOCK_OPS).render(
+        qkv, "cpu", {"tile": 16})
+    store = re.search(r"if \(slot_ >= 0 && slot_ < p\.n\d+\[\d+\]\) ", source).group(0)
+    skipped = _with_body(source, store, "if (false) ")  # the cache write left out
+    wrong = source.replace("const int64_t slot_ = (int64_t)", "const int64_t slot_ = 1 + (int64_t)")  # a slot off
+    for bad in (skipped, wrong):
+        verdict = evaluate.evaluate(qkv, bad, target="cpu", bench=False)
+        assert verdict.category == "mismatch", verdict.reason
+    att = cards["attention"]
+    source = block_templates.AttentionBlockTemplate("blocks.attention", "blocks", ("cpu",), blocks.BLOCK_OPS).render(
+        att, "cpu", {})
+    unmasked = _with_body(source, "if (add == -FP_INF) continue;", "if (add == -FP_INF) {}")
+    verdict = evaluate.evaluate(att, unmasked, target="cpu", bench=False)
+    assert verdict.category == "mismatch", verdict.reason
+
+
+def test_block_cuda_renders_compile_for_sm90():
+    from forgepack import compile as compile_mod
+    from forgepack.templates.common import on_device
+
+    if compile_mod.nvcc_path() is None:
+        pytest.skip("nvcc is not installed")
+    for card in {c.fusion.pattern: c for c in cards_of(program_of(tiny("llama", torch.bfloat16)))}.values():
+        cuda = on_device(card, "cuda")
+        for t in templates_for(cuda, "cuda"):
+            space = t.space(cuda, "cuda")
+            points = [t.default(cuda, "cuda")] + [{**t.default(cuda, "cuda"), k: v[-1]} for k, v in space.items()]
+            for params in points[:3]:
+                result = compile_mod.compile_kernel(t.render(cuda, "cuda", params), "cuda", "sm_90a")
+                assert result.ok, (card.op, params, result.log[-2000:])
+
+
+DECODE_RECIPE = """name = "trained-decode"
+
+[model]
+path = "{path}"
+
+[workload]
+task = "causal-lm"
+phase = "decode"
+batch = 1
+seq_len = 1
+cache_len = 16
+dtype = "float32"
+static_cache = true
+
+[target]
+device = "cpu"
+
+[build]
+budget = {budget}
+proposer = "templates"
+"""
+
+SERVE = r"""
+import json, sys
+import torch
+sys.path.insert(0, REPO)
+from transformers import AutoModelForCausalLM
+from forgepack import trainedlm
+import PACKAGE as pack
+model = AutoModelForCausalLM.from_pretrained(MODEL).eval()
+twin = AutoModelForCausalLM.from_pretrained(MODEL).eval()
+prompts = trainedlm.grammar_prompts(2, length=12)
+kw = dict(max_new_tokens=24, min_new_tokens=24, do_sample=False, pad_token_id=0)
+def gen(m, p):
+    ids = torch.tensor([p])
+    with torch.no_grad():
+        return m.generate(ids, attention_mask=torch.ones_like(ids), **kw)[0, 12:].tolist()
+stock = [gen(twin, p) for p in prompts]
+assert pack.activate(graphs=True, model=model, backend="emulate")
+served = [gen(model, p) for p in prompts]
+import importlib
+programs = importlib.import_module("PACKAGE.serving").server(model).stats()["decode_loop"]["programs"]
+print(json.dumps({"stock": stock, "served": served, "programs": programs, "stats": pack.stats()}))
+"""
+
+
+@pytest.mark.slow
+def test_a_gated_decode_pack_serves_generate_from_its_wheel_with_its_blocks(tmp_path, trained_lm_dir):
+    from test_envelope_e2e import build_pack
+
+    path = tmp_path / "trained-decode.toml"
+    path.write_text(DECODE_RECIPE.format(path=trained_lm_dir, budget=10))
+    site, package, env = build_pack(tmp_path, path, timeout=900)
+    code = SERVE.replace("REPO", repr(str(REPO))).replace("PACKAGE", package)
+    code = code.replace("MODEL", repr(str(trained_lm_dir)))
+    env = {**env, "PYTHONPATH": f"{site}:{REPO}"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600,
+                          check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["served"] == out["stock"]
+    assert all(trainedlm.follows_grammar(row) for row in out["served"])  # decisive tokens: a real check
+    (program,) = out["programs"].values()
+    assert program["blocks"] >= 5, program  # at least the layers' projections and the LM head were placed
+    assert program["with_blocks"] < program["launches"], program
+    placed = [v for v, s in out["stats"].items() if s["op"] in blocks.BLOCK_OPS and s["hits"] > 0]
+    assert placed, out["stats"]
+
+
+def test_launches_per_layer_with_blocks():
+    """Per layer the step keeps its blocks and the cache's own counter calls (transformers' StaticCache
+    computes each layer's slot from a device counter): the goal shape, at most 7 launches a layer."""
+    model = tiny("llama")
+    program = program_of(model, rows=1)
+    found, _ = blocks.find(program)
+    layers = COMMON["num_hidden_layers"]
+    first = min(i for b in found if b.kind == "qkv" for i in b.nodes)
+    last = max(i for b in found if b.kind == "proj_add" for i in b.nodes)
+    inside = {i for b in found for i in b.nodes}
+    stock = sum(1 for i in range(first, last + 1) if program.steps[i].launches)
+    kept = sum(1 for i in range(first, last + 1) if program.steps[i].launches and i not in inside)
+    with_blocks = kept + sum(1 for b in found if b.kind != "lm_head")
+    assert with_blocks <= 7 * layers < stock, (with_blocks, stock)
