@@ -62,6 +62,7 @@ VIEWS = frozenset({"aten::view", "aten::_unsafe_view", "aten::reshape", "aten::u
                    "aten::split_with_sizes", "aten::chunk", "aten::unbind"})
 CATS = frozenset({"aten::cat"})
 CACHE_WRITES = frozenset({"aten::index_copy_"})
+REPEATS = VIEWS | {"aten::clone", "aten::contiguous"}  # `repeat_kv`: unsqueeze, expand, a copy, reshape
 MASK_OPS = frozenset({"aten::where", "aten::scalar_tensor", "aten::logical_not", "aten::masked_fill",
                       "aten::zeros_like", "aten::full_like", "aten::_to_copy"})
 
@@ -189,11 +190,15 @@ def _attention_nodes(g: _Graph, i: int, owned: set[int]) -> tuple[list[int], int
             break
         nodes.append(readers[0])
         out = g.steps[readers[0]].outs[0]
-    mask = g.steps[i].kwargs.get("attn_mask")
-    if mask is None and len(g.steps[i].args) > 3:
-        mask = g.steps[i].args[3]
+    node = g.steps[i]
+    mask = node.kwargs.get("attn_mask", node.kwargs.get("attn_bias"))
+    if mask is None and len(node.args) > 3:
+        mask = node.args[3]
     if isinstance(mask, Val):
         nodes += _feeders(g, mask.id, set(nodes), MASK_OPS | VIEWS, owned)
+    for kv in node.args[1:3]:  # the cache repeated for every query head (`repeat_kv`): read in place instead
+        if isinstance(kv, Val):
+            nodes += _feeders(g, kv.id, set(nodes), REPEATS, owned)
     return sorted(set(nodes)), out
 
 

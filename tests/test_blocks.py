@@ -201,6 +201,23 @@ def test_every_block_render_passes_the_verifier_on_the_cpu(arch, dtype):
         assert verdict.category is None, (kind, verdict.reason)
 
 
+def test_the_attention_block_reads_a_repeated_cache_in_place(monkeypatch):
+    """transformers' other GQA path (before `pack_gqa`, or under dynamo): `repeat_kv` copies the cache
+    for every query head, each layer, each step; the attention block takes the cache itself."""
+    import transformers.integrations.sdpa_attention as sdpa
+
+    monkeypatch.setattr(sdpa, "is_torchdynamo_compiling", lambda: True)
+    program = program_of(tiny("llama", torch.bfloat16))
+    cards = {c.fusion.pattern: c for c in cards_of(program)}
+    att = cards["attention"]
+    assert sum(e.op == "aten.clone.default" for e in att.chain) == 2  # the two copies, inside the block
+    plan = block_templates.attention_plan(att)
+    assert plan.heads == 4 and plan.kv_heads == 2
+    t = templates_for(att, "cpu")[0]
+    verdict = evaluate.evaluate(att, t.render(att, "cpu", {}), target="cpu", bench=False)
+    assert verdict.category is None, verdict.reason
+
+
 def _with_body(source: str, old: str, new: str) -> str:
     assert old in source, old
     return source.replace(old, new)
@@ -324,3 +341,33 @@ def test_launches_per_layer_with_blocks():
     kept = sum(1 for i in range(first, last + 1) if program.steps[i].launches and i not in inside)
     with_blocks = kept + sum(1 for b in found if b.kind != "lm_head")
     assert with_blocks <= 7 * layers < stock, (with_blocks, stock)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_every_block_cuda_render_is_verified_and_timed_on_the_gpu(arch):
+    """A Llama-1B-like layer shape (head size 64, 4 query heads per key/value head), bf16, on the GPU:
+    each block's default render passes the full verifier and its benchmark; the decode step recorded on
+    the GPU holds them all."""
+    import transformers
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    dims = dict(COMMON, hidden_size=512, intermediate_size=1024, num_attention_heads=8, num_key_value_heads=2,
+                head_dim=64, vocab_size=4096, max_position_embeddings=1024)
+    config = transformers.AutoConfig.for_model(arch, **dims)
+    torch.manual_seed(0)
+    model = getattr(transformers, CLASSES[arch])(config).eval().to("cuda", torch.bfloat16)
+    with torch.no_grad():
+        program = blocks.record_step(model, 1, 256)
+    print(sorted({n.name for n in program.steps if "attention" in n.name}))
+    cards = {c.fusion.pattern: c for c in cards_of(program)}
+    assert set(cards) >= set(blocks.KINDS) - {"cache_index"}
+    verdicts = {}
+    for kind, card in cards.items():
+        t = templates_for(card, "cuda")[0]
+        source = t.render(card, "cuda", t.default(card, "cuda"))
+        verdicts[kind] = evaluate.evaluate(card, source, target="cuda", margin=-1.0)
+    bad = {k: v.reason for k, v in verdicts.items() if v.category is not None}
+    assert not bad, bad
+    print({k: round(v.speedup, 2) for k, v in verdicts.items()})

@@ -147,6 +147,26 @@ run_stage() {
                    --budget "${PACK_BUDGET:-24}" ${BUILD_LIMIT:+--time-limit "$BUILD_LIMIT"} \
                    --workspace "$FORGEPACK_HOME/ws/$r" --out "$packs_dir/$r"
                done ;;
+    decode=*)  # decode=a+b: the recipe's pack with its decode blocks, built as a user builds it (gate on), every
+               # candidate's verdict (tools/verdicts.py), then the decode step per column in its own process
+               # (tools/bench_decode_step.py: compiled-loop, graphs, pack+graphs). Knobs: DECODE_BUDGET (16),
+               # DECODE_LIMIT (profile + search seconds, 240), DECODE_BUILD_TIME (330), DECODE_BATCHES (1),
+               # DECODE_PROMPTS (128), DECODE_COLUMNS (graphs,compiled-loop), DECODE_BENCH_TIME (240), DECODE_PACK
+               # (a carried wheel: no build)
+               local r wheel; for r in $(echo "${1#decode=}" | tr + ' '); do
+                 wheel=${DECODE_PACK:-}
+                 if [ -z "$wheel" ]; then
+                   stage "decode-build-$r" "${DECODE_BUILD_TIME:-330}" python3 -m forgepack build "$r" --target cuda \
+                     --budget "${DECODE_BUDGET:-16}" --time-limit "${DECODE_LIMIT:-240}" \
+                     --workspace "$FORGEPACK_HOME/ws/$r" --out "$OUT/packs/$r"
+                   stage "decode-verdicts-$r" 30 python3 tools/verdicts.py "$FORGEPACK_HOME/ws/$r"
+                   wheel=$(ls "$OUT/packs/$r"/*.whl 2>/dev/null | head -1)
+                 fi
+                 stage "decode-bench-$r" "${DECODE_BENCH_TIME:-240}" python3 tools/bench_decode_step.py --recipes "$r" \
+                   --batches "${DECODE_BATCHES:-1}" --prompts "${DECODE_PROMPTS:-128}" \
+                   --columns "${DECODE_COLUMNS:-graphs,compiled-loop}" ${wheel:+--pack "$wheel"} \
+                   --out "$OUT/results/decode-$r"
+               done ;;
     serve|serve=*) # serve=a+b: tools/bench_serve.py per recipe, with the pack build=a built when there is one
                local m wheel ms=${1#serve}; ms=${ms#=}
                for m in $(echo "${ms:-llama-1b-decode+qwen2-0.5b-prefill}" | tr + ' '); do

@@ -823,25 +823,25 @@ def attention_plan(card: Card) -> AttentionPlan:
     if e.value("dropout_p", 0.0) not in (0, 0.0) or e.value("is_causal", False):
         raise Refused("dropout or a causal flag")
     q, k, v = (e.tensor(n) for n in ("query", "key", "value"))
-    if k[0] != "in" or v[0] != "in":
-        raise Refused("keys and values that are not the block's inputs (the cache)")
+    (k_slot, k_rep), (v_slot, v_rep) = (_kv_input(card, chain, r) for r in (k, v))
     mask_name = _SDPA_MASK[e.op]
     mask = e.tensor(mask_name) if mask_name else None
     converted = mask is not None and mask[0] == "t"
     if converted:
         mask = _boolean_mask(chain, mask)
-    qmeta, kmeta, vmeta = (meta_of(card, chain, r) for r in (q, k, v))
+    ins = card.tensor_inputs()
+    qmeta, kmeta, vmeta = meta_of(card, chain, q), ins[k_slot], ins[v_slot]
     rows, heads, queries, dim = qmeta.shape
     _, kv_heads, slots, kdim = kmeta.shape
-    if kdim != dim or tuple(vmeta.shape) != tuple(kmeta.shape) or heads % kv_heads:
+    if kdim != dim or tuple(vmeta.shape) != tuple(kmeta.shape) or heads % kv_heads or k_rep != v_rep:
         raise Refused("keys, values and queries of unmatched shapes")
-    if heads != kv_heads and not e.value("enable_gqa", True):
-        raise Refused("grouped queries without enable_gqa")
+    seen = meta_of(card, chain, k).shape[1]  # the key heads the attention call is given
+    if seen != kv_heads * k_rep or (heads != seen and not e.value("enable_gqa", True)):
+        raise Refused("grouped queries the call does not group (no enable_gqa, no repeat)")
     q_slot = _identity_input(card, chain, q)
     out_ref = _plain(card.fusion.outputs[0])
     if len(card.outputs) != 1 or _identity_source(card, chain, out_ref) != (e.index, 0):
         raise Refused("an output that is not the attention's result in its own order")
-    ins = card.tensor_inputs()
     mask_slot, mask_bool = -1, False
     if mask is not None:
         mmeta = ins[mask[1]]
@@ -855,8 +855,28 @@ def attention_plan(card: Card) -> AttentionPlan:
     dtype = e.outs[0].dtype
     if dtype not in FLOAT_DTYPES or card.outputs[0].dtype != dtype:
         raise Refused("an attention of another dtype")
-    return AttentionPlan(rows, heads, queries, kv_heads, slots, dim, scale, q_slot, k[1], v[1], mask_slot,
+    return AttentionPlan(rows, heads, queries, kv_heads, slots, dim, scale, q_slot, k_slot, v_slot, mask_slot,
                          mask_bool, dtype, card.outputs[0].dtype)
+
+
+def _kv_input(card: Card, chain: list[Entry], ref: tuple) -> tuple[int, int]:
+    """(input slot, times each head is repeated): keys or values as the cache holds them, given to the
+    attention directly or through `repeat_kv` (unsqueeze, expand, a copy, a reshape to heads x repeats),
+    which the kernel does not copy: query head h reads the cache's head h // (query heads per key head)."""
+    ref = _plain(ref)
+    rep = 1
+    while ref[0] == "t":
+        e = chain[ref[1]]
+        if e.op == "expand":
+            src = meta_of(card, chain, _source(e)).shape
+            out = e.outs[0].shape
+            if len(out) != 5 or src[2] != 1:
+                raise Refused("keys or values expanded otherwise than repeat_kv does")
+            rep *= out[2]
+        elif e.op not in ("unsqueeze", "clone", "contiguous", "view", "_unsafe_view", "reshape", "alias", "detach"):
+            raise Refused(f"keys or values made by {e.op}")
+        ref = _plain(_source(e))
+    return ref[1], rep
 
 
 def _boolean_mask(chain: list[Entry], ref: tuple) -> tuple:
