@@ -165,7 +165,7 @@ run_stage() {
                  stage "decode-bench-$r" "${DECODE_BENCH_TIME:-240}" python3 tools/bench_decode_step.py --recipes "$r" \
                    --batches "${DECODE_BATCHES:-1}" --prompts "${DECODE_PROMPTS:-128}" \
                    --columns "${DECODE_COLUMNS:-graphs,compiled-loop}" ${wheel:+--pack "$wheel"} \
-                   --out "$OUT/results/decode-$r"
+                   --rounds "${DECODE_ROUNDS:-7}" --limit "${DECODE_COLUMN_LIMIT:-150}" --out "$OUT/results/decode-$r"
                done ;;
     serve|serve=*) # serve=a+b: tools/bench_serve.py per recipe, with the pack build=a built when there is one
                local m wheel ms=${1#serve}; ms=${ms#=}
