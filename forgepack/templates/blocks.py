@@ -428,6 +428,23 @@ def _y_reader(plan: GemvPlan, tc: int) -> str:
             f"  return (q >= 0 && q < {tc}) ? ys[row * {cols} + part * {tc} + q] : (0.0f / 0.0f);\n}}\n")
 
 
+def _unpack(dtype: str) -> str:
+    """`fp_unpack(v, f)`: the elements of one 16-byte chunk of `dtype`, as floats (CUDA)."""
+    if dtype == "float32":
+        return """FP_FN void fp_unpack(const uint4& v, float* f) {
+  const float* q = reinterpret_cast<const float*>(&v);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) f[i] = q[i];
+}"""
+    pairs = {"bfloat16": ("__nv_bfloat162", "__bfloat1622float2"), "float16": ("__half2", "__half22float2")}
+    ptype, conv = pairs[dtype]
+    return f"""FP_FN void fp_unpack(const uint4& v, float* f) {{
+  const {ptype}* q = reinterpret_cast<const {ptype}*>(&v);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {{ const float2 two = {conv}(q[i]); f[2 * i] = two.x; f[2 * i + 1] = two.y; }}
+}}"""
+
+
 def _weight_fn(card: Card, plan: GemvPlan, target: str) -> str:
     """`fp_weight(p, col, &bias)`: the weight row of concatenated column `col` (the linears' rows in
     order), its bias (0 without one); `fp_round_mm(v, col)` rounds as that column's `mm` does."""
@@ -556,20 +573,7 @@ def _render_cuda(card: Card, plan: GemvPlan, params: dict) -> str:
         stage = ""
         x_row = f"p.in{plan.x_ref[1]} + (size_t)b * {rs}"
         smem_x = 0
-    pair = {"bfloat16": ("__nv_bfloat162", "__bfloat1622float2"), "float16": ("__half2", "__half22float2")}
-    if plan.wdtype == "float32":
-        unpack = """FP_FN void fp_unpack(const uint4& v, float* f) {
-  const float* q = reinterpret_cast<const float*>(&v);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) f[i] = q[i];
-}"""
-    else:
-        ptype, conv = pair[plan.wdtype]
-        unpack = f"""FP_FN void fp_unpack(const uint4& v, float* f) {{
-  const {ptype}* q = reinterpret_cast<const {ptype}*>(&v);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {{ const float2 two = {conv}(q[i]); f[2 * i] = two.x; f[2 * i + 1] = two.y; }}
-}}"""
+    unpack = _unpack(plan.wdtype)
     epilogue = []
     for j, s in enumerate(plan.sinks):
         epilogue.append(f"""    {{ const int64_t f = lo + q - {s.off};
@@ -688,10 +692,16 @@ def _entry(card: Card, target: str, body: str) -> str:
 
 
 def _tiles(plan: GemvPlan) -> list[int]:
-    """Tile widths (columns per part): multiples of the unit that divide a part, 8 of the most useful."""
-    out = [c for c in range(plan.unit, plan.width + 1, plan.unit) if plan.width % c == 0]
-    good = [c for c in out if c <= 512]
-    return good[:8] or out[:1]
+    """Tile widths (columns per part): multiples of the unit that divide a part, at most 512 (a tile's
+    products sit in shared memory), at most 8 spread over that range (each about twice the last)."""
+    out = [c for c in range(plan.unit, min(plan.width, 512) + 1, plan.unit) if plan.width % c == 0] or [plan.width]
+    spread: list[int] = []
+    for c in out:
+        if not spread or c >= 2 * spread[-1]:
+            spread.append(c)
+    if out[-1] not in spread:
+        spread.append(out[-1])
+    return spread[-8:]
 
 
 class _BlockTemplate(FusedTemplate):
@@ -757,7 +767,10 @@ class GemvBlockTemplate(_BlockTemplate):
         tile = min(tiles, key=lambda c: abs(c - want))
         if target == "cpu":
             return {"tile": tile}
-        return {"tile": tile, "warps": 8, "cols": 2, "unroll": 4}
+        # 8 warps, each a few columns of the tile per pass (the warps of a narrow tile one column each)
+        slots = tile * plan.parts
+        cols = 4 if slots >= 64 else 2 if slots >= 16 else 1
+        return {"tile": tile, "warps": 8, "cols": cols, "unroll": 4}
 
     def emit(self, card: Card, plan: GemvPlan, target: str, params: dict) -> str:
         if target == "cpu":
@@ -1015,7 +1028,9 @@ def _attention_cuda(card: Card, plan: AttentionPlan, params: dict) -> str:
     mask = _mask_term(card, plan, "b", "0", "0", "s")
     struct, inits = _fields(card, "cuda")
     out = card.outputs[0]
-    kernel = f"""
+    size = ins[k].itemsize
+    vec = 16 // size if plan.dim * size % 16 == 0 else 0
+    kernel = _unpack(ins[k].dtype) + f"""
 // One block per (row, key/value head); warp w takes the slots w*32.., stepping by {threads}. Lane j of a
 // warp scores slot base+j against every query row of the group, then the warp folds the 32 slots into
 // each row's running max, sum and output (lane j keeps output dims j, j+32, ...). A chunk of 32 slots the
@@ -1041,6 +1056,8 @@ __global__ void __launch_bounds__({threads}) fp_attention(const fp_args p) {{
   }}
   const {kt}* kb = p.in{k} + b * p.s{k}[0] + kh * p.s{k}[1];
   const {kt}* vb = p.in{v} + b * p.s{v}[0] + kh * p.s{v}[1];
+  const bool kvec = {"true" if vec else "false"} && p.s{k}[3] == 1 && (p.s{k}[2] * (int64_t)sizeof({kt})) % 16 == 0
+                    && reinterpret_cast<uintptr_t>(kb) % 16 == 0;
   for (int64_t base = warp * 32; base < slots; base += {threads}) {{
     const int64_t s = base + lane;
     float add = -FP_INF;
@@ -1051,10 +1068,23 @@ __global__ void __launch_bounds__({threads}) fp_attention(const fp_args p) {{
     for (int r = 0; r < {nq}; ++r) sc[r] = 0.0f;
     if (add != -FP_INF) {{
       const {kt}* kr = kb + s * p.s{k}[2];
-      for (int d = 0; d < {plan.dim}; ++d) {{
-        const float kd = fp_ld(kr[d * p.s{k}[3]]);
+      if (kvec) {{  // the slot's key row in 16-byte chunks
+        const uint4* k4 = reinterpret_cast<const uint4*>(kr);
 #pragma unroll
-        for (int r = 0; r < {nq}; ++r) sc[r] = fmaf(qs[r][d], kd, sc[r]);
+        for (int c = 0; c < {plan.dim // vec if vec else 0}; ++c) {{
+          float kf[{vec or 1}];
+          fp_unpack(k4[c], kf);
+#pragma unroll
+          for (int e = 0; e < {vec or 1}; ++e)
+#pragma unroll
+            for (int r = 0; r < {nq}; ++r) sc[r] = fmaf(qs[r][c * {vec or 1} + e], kf[e], sc[r]);
+        }}
+      }} else {{
+        for (int d = 0; d < {plan.dim}; ++d) {{
+          const float kd = fp_ld(kr[d * p.s{k}[3]]);
+#pragma unroll
+          for (int r = 0; r < {nq}; ++r) sc[r] = fmaf(qs[r][d], kd, sc[r]);
+        }}
       }}
     }}
 #pragma unroll
