@@ -254,15 +254,15 @@ def _epilogue(g: _Graph, ys: list[int], group: set[int], owned: set[int], first:
     internal = set(ys)
     frontier = list(ys)
     before = {v for v, p in g.producer.items() if p < first}
+    downstream = _downstream(g, set(ys), first)
     while frontier:
         v = frontier.pop(0)
         readers = [r for r in g.readers.get(v, ()) if r not in inside and r not in group]
         if not readers:
             continue
-        joined = set(inside)
         ok = True
         for r in readers:
-            if not _joinable(g, r, owned, joined, internal, before, group):
+            if not _joinable(g, r, owned, internal, before, downstream):
                 ok = False
                 break
         if not ok:
@@ -280,8 +280,17 @@ def _epilogue(g: _Graph, ys: list[int], group: set[int], owned: set[int], first:
     return sorted(inside)
 
 
-def _joinable(g: _Graph, r: int, owned: set[int], inside: set[int], internal: set[int], before: set[int],
-              group: set[int]) -> bool:
+def _downstream(g: _Graph, values: set[int], start: int) -> set[int]:
+    """Every value computed, directly or not, from `values` (the program runs in order: one pass)."""
+    out = set(values)
+    for node in g.steps[start:]:
+        if any(v in out for v in node.reads):
+            out.update(node.outs)
+    return out
+
+
+def _joinable(g: _Graph, r: int, owned: set[int], internal: set[int], before: set[int], downstream: set[int]
+              ) -> bool:
     name = g.name(r)
     if r in owned or name not in POINTWISE | VIEWS | CATS | CACHE_WRITES:
         return False
@@ -289,28 +298,10 @@ def _joinable(g: _Graph, r: int, owned: set[int], inside: set[int], internal: se
     if name in CACHE_WRITES and not g.external(node.args[0].id):
         return False
     for u in node.reads:
-        if u in internal or g.external(u) or u in before:
+        # made beside the block from what it does not make (a cache index, cos unsqueezed), or before it
+        if u in internal or g.external(u) or u in before or u not in downstream:
             continue
-        if _independent(g, u, internal | {v for i in group for v in g.steps[i].outs}):
-            continue  # made beside the block from what it does not make (a cache index, cos unsqueezed)
         return False
-    return True
-
-
-def _independent(g: _Graph, v: int, block: set[int], depth: int = 12) -> bool:
-    """Whether `v` was made without any of the block's values (looked back `depth` calls)."""
-    todo, seen = [(v, 0)], set()
-    while todo:
-        u, d = todo.pop()
-        if u in block:
-            return False
-        p = g.made_by(u)
-        if p is None or p in seen:
-            continue
-        if d >= depth:
-            return False
-        seen.add(p)
-        todo.extend((w, d + 1) for w in g.steps[p].reads)
     return True
 
 

@@ -181,7 +181,8 @@ def _installed(wheel: str):
     with zipfile.ZipFile(wheel) as z:
         z.extractall(root)
     sys.path.insert(0, str(root))
-    name = next(p.name for p in root.iterdir() if p.is_dir() and p.name.startswith("forgepack_pack_"))
+    name = next(p.name for p in root.iterdir()
+                if p.is_dir() and p.name.startswith("forgepack_pack_") and "." not in p.name)  # not .dist-info
     return importlib.import_module(name)
 
 

@@ -546,6 +546,12 @@ class Served:
         self.pack.deactivate()
         self.serving = False
 
+    def loop_stats(self) -> dict:
+        """The served model's decode loop counters (`serving.Server.stats()["decode_loop"]`)."""
+        serving = importlib.import_module(self.pack.__name__ + ".serving")
+        server = serving.server(self.lm.model)
+        return server.stats()["decode_loop"] if server is not None else {}
+
     def run(self, logits: bool = False) -> list:
         from forgepack import models
 
@@ -592,9 +598,11 @@ def gate_blocks(lm, pack, blocks_: list[str], others: list[str], mode: str, time
         served.serve(set(others) | set(keep))
         served.run()
         after = pack.stats()
+        loop = served.loop_stats()
         for vid in keep:
             if after[vid]["hits"] == before[vid]["hits"]:
-                dropped[vid] = "never placed: its chain matched nothing in the served decode step"
+                dropped[vid] = (f"never placed in the served decode step (its programs: {loop.get('programs')}; "
+                                f"failures: {loop.get('failures') or 'none'})")
         keep = [v for v in keep if v not in dropped]
         if not keep or mode != "full":
             served.stock()

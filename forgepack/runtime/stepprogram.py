@@ -288,10 +288,15 @@ def record(fn: Callable[..., Any], *args: Any, undo: bool = True, **kwargs: Any)
     that existed before is undone afterwards (as a CUDA capture would execute nothing): the first replay
     is the step's execution. The result's tensors must come from recorded calls or be externals."""
     recorder = _Recorder()
+    # Recorded for a graph: code that asks whether the stream is capturing takes its capture-safe path
+    # (transformers then avoids reading device values back to the host), as under a real capture.
+    real = torch.cuda.is_current_stream_capturing
+    torch.cuda.is_current_stream_capturing = lambda: True
     try:
         with recorder:
             result = fn(*args, **kwargs)
     finally:
+        torch.cuda.is_current_stream_capturing = real
         if undo:
             recorder.undo()
     encoded = _encode_result(result, recorder)

@@ -893,21 +893,26 @@ def _kv_input(card: Card, chain: list[Entry], ref: tuple) -> tuple[int, int]:
 
 
 def _boolean_mask(chain: list[Entry], ref: tuple) -> tuple:
-    """The boolean input behind `where(mask, 0.0, -inf)` (SDPA's conversion of a boolean mask); else
-    refuse."""
-    e = chain[ref[1]]
-    if e.op != "where" or e.overload != "self":
-        raise Refused(f"a mask made by {e.op}")
-    want = {"self": 0.0, "other": float("-inf")}
-    for name, value in want.items():
-        src = e.tensor(name)
-        made = chain[src[1]] if src is not None and src[0] == "t" else None
-        if made is None or made.op != "scalar_tensor" or made.value("s") != value:
-            raise Refused("a mask converted otherwise than to 0 and -inf")
-    cond = _plain(e.tensor("condition"))
-    if cond[0] != "in":
-        raise Refused("a mask the block computes")
-    return cond
+    """The boolean input behind the mask SDPA is given, converted inside the block (`where(mask, 0, -inf)`
+    as SDPA converts a boolean mask, or its backends' variants): the kernel reads the boolean as "attend
+    where true", and the verifier holds it to what the conversion really computes."""
+    todo, seen = [_plain(ref)], set()
+    while todo:
+        r = todo.pop()
+        if r in seen:
+            continue
+        seen.add(r)
+        if r[0] == "in":
+            continue
+        e = chain[r[1]]
+        if e.op not in ("where", "logical_not", "masked_fill", "masked_fill_", "zeros_like", "full_like", "zeros",
+                        "scalar_tensor", "_to_copy", "to", "expand", "view", "unsqueeze", "alias", "detach"):
+            raise Refused(f"a mask made by {e.op}")
+        todo.extend(_plain(x) for _, x in e.tensor_args())
+    bools = [r for r in seen if r[0] == "in"]
+    if len(bools) != 1:
+        raise Refused("a mask made from other than one boolean input")
+    return bools[0]
 
 
 def _row_flat(meta: TensorMeta) -> bool:
