@@ -36,11 +36,9 @@ import torch
 from forgepack import samples as samples_mod
 from forgepack.cards import Arg, Card, ChainArg, ChainEntry, Fusion, FusionSite, ValueStats, chain_digest
 from forgepack.runtime.modules import STEP_SITE
-from forgepack.runtime.stepprogram import Node, Program, Val, record
+from forgepack.runtime.stepprogram import Call, Program, Val, record
 from forgepack.runtime.stockcall import bind, encode_value, op_key
-
-KINDS = ("qkv", "attention", "proj_add", "gate_up", "lm_head", "cache_index")
-BLOCK_OPS = tuple(f"fusion.{k}.default" for k in KINDS)
+from forgepack.templates.blocks import BLOCK_OPS, KINDS  # noqa: F401 (the kinds, as the templates serve them)
 
 LINEAR_OPS = frozenset({"aten::mm", "aten::addmm"})
 ATTENTION_OPS = frozenset({
@@ -98,7 +96,7 @@ class Skipped:
 class _Graph:
     def __init__(self, program: Program):
         self.program = program
-        self.steps: list[Node] = program.steps  # a recorded program holds calls only
+        self.steps: list[Call] = program.steps  # a recorded program holds calls only
         self.producer: dict[int, int] = {}
         self.readers: dict[int, list[int]] = {}
         for i, node in enumerate(self.steps):
@@ -131,11 +129,11 @@ class _Graph:
         return v not in self.program.made
 
 
-def _vals(node: Node) -> list[int]:
+def _vals(node: Call) -> list[int]:
     return list(node.reads)
 
 
-def _tensor_args(node: Node) -> list[Any]:
+def _tensor_args(node: Call) -> list[Any]:
     return [a for a in node.args]
 
 
@@ -442,7 +440,7 @@ def _attention_block(g: _Graph, nodes: list[int], out: int, claimed: set[int]) -
     return dataclasses.replace(block, params=params)
 
 
-def _mask_input(g: _Graph, sdpa: Node, block: Block) -> int | None:
+def _mask_input(g: _Graph, sdpa: Call, block: Block) -> int | None:
     """The block input the attention's mask comes from (itself, or through its conversion)."""
     mask = sdpa.kwargs.get("attn_mask", sdpa.kwargs.get("attn_bias"))
     if mask is None and len(sdpa.args) > 3 and isinstance(sdpa.args[3], Val):

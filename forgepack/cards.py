@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from forgepack.runtime.stockcall import frozen
+
 # dtype names as torch spells them after "torch."; `code` is the kernel ABI's fp_dtype value.
 DTYPE_CODES = {
     "float32": 0,
@@ -126,11 +128,7 @@ class Arg:
             return (self.name, self.tensor.key())
         if self.kind == "tensors":
             return (self.name, tuple(t.key() for t in self.tensors))
-        return (self.name, self.kind, _freeze(self.value))
-
-
-def _freeze(value: Any) -> Any:
-    return tuple(_freeze(v) for v in value) if isinstance(value, list | tuple) else value
+        return (self.name, self.kind, frozen(self.value))
 
 
 @dataclass(frozen=True)
@@ -492,7 +490,7 @@ def by_output(cards: Iterable[Card]) -> dict[tuple, list[Card]]:
 
 def family_id(op: str, args: tuple[Arg, ...], family: Family) -> str:
     """Stable short id of a family: op overload, dtypes and non-tensor values, the family's layouts."""
-    fixed = tuple((a.name, a.kind, _freeze(a.value)) if a.kind in ("value", "none")
+    fixed = tuple((a.name, a.kind, frozen(a.value)) if a.kind in ("value", "none")
                   else (a.name, a.kind, tuple(t.dtype for t in (a.tensors or (a.tensor,)))) for a in args)
     digest = hashlib.sha256(repr((op, fixed, family.key())).encode()).hexdigest()[:10]
     name = op.removeprefix("aten.").removesuffix(".default").replace(".", "_")

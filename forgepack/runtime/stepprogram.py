@@ -29,7 +29,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .opclasses import NO_KERNEL_OPS, host_sync, needs_decompose
-from .stockcall import bind, encode_value, op_key
+from .stockcall import bind, encode_value, frozen, op_key
 
 
 class RecordError(RuntimeError):
@@ -44,7 +44,7 @@ class Val:
 
 
 @dataclass
-class Node:
+class Call:
     """One recorded aten call: arguments with `Val` in place of tensors, the values it made and wrote."""
 
     func: Any  # the OpOverload
@@ -72,7 +72,7 @@ class Kernel:
     call: Callable[[list[torch.Tensor]], list[torch.Tensor] | None]
     inputs: tuple[int, ...]
     outs: tuple[int, ...]
-    fallback: tuple[Node, ...]
+    fallback: tuple[Call, ...]
     name: str
     hits: int = 0
     misses: int = 0
@@ -82,7 +82,7 @@ class Kernel:
         return True
 
 
-Step = Node | Kernel
+Step = Call | Kernel
 _VIEW_LIKE = frozenset({"aten::_unsafe_view"})  # a view whose schema does not say so
 
 
@@ -191,7 +191,7 @@ def _rebuild(value: Any, env: list) -> Any:
     return _bind(value, env)
 
 
-def _run_node(node: Node, env: list) -> None:
+def _run_node(node: Call, env: list) -> None:
     out = node.func(*_bind(node.args, env), **{k: _bind(v, env) for k, v in node.kwargs.items()})
     for v, t in zip(node.outs, _tensors(out), strict=True):
         env[v] = t
@@ -214,7 +214,7 @@ def _run_kernel(kernel: Kernel, env: list) -> None:
 
 
 class _Recorder(TorchDispatchMode):
-    """Records every aten call as a `Node`; saves what each call writes into a tensor that existed
+    """Records every aten call as a `Call`; saves what each call writes into a tensor that existed
     before the recording, so `undo()` can put it back (a capture that follows executes nothing)."""
 
     def __init__(self):
@@ -273,7 +273,7 @@ class _Recorder(TorchDispatchMode):
             v = self.value(t)
             self.made.add(v)
             outs.append(v)
-        self.steps.append(Node(func, eargs, ekwargs, tuple(outs), tuple(reads),
+        self.steps.append(Call(func, eargs, ekwargs, tuple(outs), tuple(reads),
                                tuple(self.ids[id(t)] for t in written)))
         return out
 
@@ -351,15 +351,10 @@ class Chain:
                 elif kind == "none":
                     args.append(("n",))
                 else:
-                    args.append(("v", _plain(a.get("value"))))
+                    args.append(("v", frozen(a.get("value"))))
             entries.append((e["op"], tuple(args)))
         return cls(name, tuple(entries), tuple(tuple(r) for r in d["outputs"]), int(d["inputs"]),
                    tuple(d.get("writes", ())))
-
-
-def _plain(value: Any) -> Any:
-    """A recorded value with lists as tuples (comparable, hashable)."""
-    return tuple(_plain(v) for v in value) if isinstance(value, list | tuple) else value
 
 
 @dataclass
@@ -401,10 +396,10 @@ def _arg_matches(want: tuple, value: Any, binding: _Binding, trial: dict) -> boo
         return value is None
     if isinstance(value, Val) or (isinstance(value, list | tuple) and any(isinstance(x, Val) for x in value)):
         return False
-    return _plain(encode_value(value)) == want[1]
+    return frozen(encode_value(value)) == want[1]
 
 
-def _node_matches(node: Node, entry: tuple[str, tuple], binding: _Binding) -> dict | None:
+def _node_matches(node: Call, entry: tuple[str, tuple], binding: _Binding) -> dict | None:
     op, wants = entry
     if op_key(node.func) != op:
         return None
@@ -435,7 +430,7 @@ class Matcher:
         first = chain.entries[0][0]
         found = []
         for start, step in enumerate(steps):
-            if start in taken or not isinstance(step, Node) or op_key(step.func) != first:
+            if start in taken or not isinstance(step, Call) or op_key(step.func) != first:
                 continue
             match = self._match_at(chain, start, taken)
             if match is not None:
@@ -452,7 +447,7 @@ class Matcher:
             hit = None
             for i in range(pos, min(len(steps), pos + WINDOW)):
                 step = steps[i]
-                if i in taken or not isinstance(step, Node):
+                if i in taken or not isinstance(step, Call):
                     continue
                 trial = _node_matches(step, entry, binding)
                 if trial is not None:
@@ -498,11 +493,11 @@ class Matcher:
                 return None
             if any(store[v] in touched for v in _reads(step)):
                 return None
-            if isinstance(step, Node) and any(store[v] in touched or v in made for v in step.writes):
+            if isinstance(step, Call) and any(store[v] in touched or v in made for v in step.writes):
                 return None
             # a chain call before this one read memory it writes: the kernel, later, would read the new bits
             read_before = {store[v] for j in nodes if j < i for v in steps[j].reads}
-            if isinstance(step, Node) and any(store[v] in read_before for v in step.writes):
+            if isinstance(step, Call) and any(store[v] in read_before for v in step.writes):
                 return None
         returned = set(outs)
         for v in made:

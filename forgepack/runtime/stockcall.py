@@ -37,6 +37,11 @@ def bind(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> list[tuple[A
     return bound
 
 
+def frozen(value: Any) -> Any:
+    """A recorded value with its lists as tuples: comparable and hashable."""
+    return tuple(frozen(v) for v in value) if isinstance(value, list | tuple) else value
+
+
 def encode_value(value: Any) -> Any:
     """A non-tensor argument as cards record it (JSON-able): dtypes, layouts and memory formats by name,
     a device by its type, symbolic sizes by their hint, sequences as lists."""

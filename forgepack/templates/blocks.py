@@ -36,13 +36,14 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from forgepack.blocks import BLOCK_OPS
 from forgepack.cards import Card, TensorMeta
 from forgepack.needs import Needs
 from forgepack.templates import fused, generic
 from forgepack.templates.common import FamilyPlan, ceil_div, ctype, entry, flit, launch_status, prelude
 from forgepack.templates.fused import Entry, FusedTemplate, Refused, _Emitter, entries, meta_of
 
+KINDS = ("qkv", "attention", "proj_add", "gate_up", "lm_head", "cache_index")  # `forgepack.blocks` finds them
+BLOCK_OPS = tuple(f"fusion.{k}.default" for k in KINDS)
 MAX_ROWS = 8
 FLOAT_DTYPES = ("float32", "float16", "bfloat16")
 _RESHAPES = ("view", "_unsafe_view", "reshape", "_reshape_alias")
