@@ -305,6 +305,17 @@ def test_the_headroom_cap_is_not_a_ceiling_for_a_card_already_past_it():
     assert "reached its achievable" in allocator.score(at_ceiling, [at_ceiling], CFG).dropped
 
 
+def test_a_kernel_well_past_its_roofline_proves_the_estimate_wrong_and_keeps_room():
+    """CPU, tiny-llama: an add whose roofline said 1.15x got a 3.31x kernel (its data never left the cache)
+    and was dropped as "reached its achievable 1.15x" with its template's other points untried."""
+    add = dataclasses.replace(state("add", 0.02, eager=2.3, roofline=2.0), best=(3.31,), successes=1.0)
+    headroom = allocator.achievable_headroom(add, CFG)
+    assert headroom == pytest.approx(3.31 * (1 + CFG.refine_margin))
+    assert allocator.score(add, [add], CFG).dropped is None
+    near = dataclasses.replace(add, best=(1.3,))  # past the estimate, but within the refinement margin
+    assert "reached its achievable" in allocator.score(near, [near], CFG).dropped
+
+
 def test_breadth_gives_every_live_card_one_call_before_any_gets_a_second():
     """Biggest estimated gain first among the cards with the fewest calls; what the allocator drops (a
     view, a card at its roofline) gets none."""
@@ -316,3 +327,24 @@ def test_breadth_gives_every_live_card_one_call_before_any_gets_a_second():
     rows = {r.card_id: r.planned for r in allocator.plan(states, 3, CFG, strategy="breadth")}
     assert rows == {"big": 1, "mid": 1, "small": 1, "v": 0, "flat": 0}
     assert allocator.decide_breadth([state("v", 0.3, baseline="view")], CFG).card_id is None
+
+
+def test_a_paid_call_must_be_expected_to_save_enough_per_dollar():
+    """With calls at $0.20, a card whose expected gain per call is under the minimum per dollar gets none
+    (the plan and `--explain` say why); the reason of a call that is made states its gain per dollar.
+    Free calls (cost 0) are never held to it."""
+    states = [state("big", 0.30), state("tiny", 0.0004)]
+    paid = dataclasses.replace(CFG, min_gain_per_dollar=1e-3, cost_per_call=0.20)
+    by_id = {s.card_id: s for s in allocator.scores(states, paid)}
+    assert by_id["big"].dropped is None and by_id["big"].per_dollar == pytest.approx(by_id["big"].score / 0.20)
+    assert by_id["tiny"].per_dollar < 1e-3
+    assert by_id["tiny"].dropped.startswith("est. gain/$") and "$0.2000" in by_id["tiny"].dropped
+    decision = allocator.decide(states, paid)
+    assert decision.card_id == "big" and "est. gain/$" in decision.reason and "$0.2000 a call" in decision.reason
+    rows = {r.card_id: r for r in allocator.plan(states, 20, paid)}
+    assert rows["tiny"].planned == 0 and rows["tiny"].dropped.startswith("est. gain/$")
+    # alone, the tiny card still gets no paid call; free, it does
+    assert allocator.decide([states[1]], paid).card_id is None
+    free = dataclasses.replace(paid, cost_per_call=0.0)
+    assert allocator.decide([states[1]], free).card_id == "tiny"
+    assert "gain/$" not in allocator.decide(states, free).reason

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 import time
@@ -13,6 +14,7 @@ from forgepack.cards import Arg, Card, Profile, TensorMeta
 from forgepack.errors import ForgepackError, UsageError
 from forgepack.search import prices
 from forgepack.search.proposers import Parent, make
+from forgepack.search.proposers import prompt as prompt_mod
 from forgepack.search.proposers.anthropic import ABI_HEADER, AnthropicProposer, extract_source
 from forgepack.search.tree import LineageEntry
 
@@ -137,8 +139,43 @@ def test_good_reply_gives_the_source_tokens_and_cost(server, monkeypatch, card):
                    "[1048576, 2048, 1]", "41.50 us", "9.80 us", "native", "softmax_warp_forward", "H200",
                    "sm_90", "the parent kernel", "__shfl", "#7", "1.300x", "half_to_float=False"):
         assert needle in prompt, needle
-    assert ABI_HEADER.read_text().strip() in prompt
-    assert "forgepack_kernel" in body["system"] and "call->stream" in body["system"]
+    # the static block (rules, ABI header, its documentation) is the system prompt, first and cached;
+    # the call's own text leaves it out
+    [static] = body["system"]
+    assert static["cache_control"] == {"type": "ephemeral"} and static["text"] == prompt_mod.static_prompt("cuda")
+    assert ABI_HEADER.read_text().strip() in static["text"] and "forgepack_kernel" in static["text"]
+    assert "call->stream" in static["text"] and ABI_HEADER.read_text().strip() not in prompt
+
+
+def test_the_static_block_is_the_same_for_every_call_so_the_cache_serves_it(server, monkeypatch, card):
+    """Two calls for different variants and parents send a byte-identical system block, marked for the
+    prompt cache; a reply that read it from the cache is billed at the cache-read price."""
+    usage = {"input_tokens": 900, "output_tokens": 300, "cache_read_input_tokens": 5000,
+             "cache_creation_input_tokens": 0}
+    cached = message(f"```cuda\n{KERNEL}```")
+    cached["usage"] = usage
+    server.script = [ok(f"```cuda\n{KERNEL}```"), (200, cached, {}, 0.0)]
+    p, _ = proposer(server, monkeypatch)
+    other = dataclasses.replace(card, outputs=(TensorMeta("bfloat16", (2, 512, 2048), (1048576, 2048, 1)),))
+    p.propose(card, None, [], [])
+    out = p.propose(other, Parent(1, "// parent\n", {}, "anthropic:x", 1.1), [], ["candidate #2: compile: x"])
+    first, second = (r["body"] for r in server.requests)
+    assert first["system"] == second["system"] and first["messages"] != second["messages"]
+    assert out.tokens == (5900, 300) and out.meta["cache_read_tokens"] == 5000
+    assert out.cost == pytest.approx(prices.cost("claude-sonnet-4-6", 900, 300, cache_read=5000))
+    assert out.cost < prices.cost("claude-sonnet-4-6", 5900, 300)
+
+
+def test_the_worst_case_of_a_call_bounds_what_it_is_billed(server, monkeypatch, card):
+    """The bound checked against --max-cost before a call: every prompt byte a token written to the
+    cache, and the whole output allowance; the real bill of the same call, at its most, stays under it."""
+    p, _ = proposer(server, monkeypatch, max_tokens=1000)
+    request = p.request(card, None, [], [])
+    worst = p.worst_case_cost(request)
+    prompt_bytes = sum(len(b["text"].encode()) for b in request["system"]) + len(
+        request["messages"][0]["content"].encode())
+    assert worst >= prices.cost("claude-sonnet-4-6", 0, 1000, cache_write=prompt_bytes)
+    assert worst < 2 * prices.cost("claude-sonnet-4-6", 0, 1000, cache_write=prompt_bytes + 1000)
 
 
 def test_malformed_reply_is_a_counted_call_with_feedback(server, monkeypatch, card):
@@ -212,7 +249,7 @@ def test_base_url_from_the_environment_and_model_option(server, monkeypatch, car
     p = AnthropicProposer(target="cpu", model="claude-haiku-4-5", sleep=lambda s: None)
     out = p.propose(card, None, [], [])
     assert out.source == KERNEL and server.requests[0]["body"]["model"] == "claude-haiku-4-5"
-    assert "```cpp" in server.requests[0]["body"]["system"]  # the cpu target asks for C++
+    assert "```cpp" in server.requests[0]["body"]["system"][0]["text"]  # the cpu target asks for C++
     assert out.cost == pytest.approx(prices.cost("claude-haiku-4-5", 1200, 300))
 
 

@@ -211,6 +211,7 @@ class Counting:
 
     name = "counting"
     paid = True
+    adaptive = True  # it is told each verdict, as an LLM is: one call in flight per card
 
     def __init__(self, answers):
         self.answers, self.asked = list(answers), []

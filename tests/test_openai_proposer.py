@@ -23,7 +23,7 @@ from test_build import BROKEN, cli, fresh_workspace, known_kernels, profiled, st
 
 from forgepack.errors import ForgepackError, UsageError
 from forgepack.evaluate import CATEGORIES
-from forgepack.search import prices
+from forgepack.search import cassette, prices
 from forgepack.search.proposers import Parent, make
 from forgepack.search.proposers import prompt as prompt_mod
 from forgepack.search.proposers.openai import OpenAIProposer
@@ -75,7 +75,9 @@ def test_local_server_gets_the_full_prompt_and_no_key(server, monkeypatch, card)
     assert body["model"] == "local-coder" and body["max_tokens"] == 8192
     system, user = body["messages"]
     assert system["role"] == "system" and "forgepack_kernel" in system["content"]
-    assert system["content"] == prompt_mod.system_prompt("cuda")  # the same rules as every LLM proposer
+    # the same static block as every LLM proposer, first: the rules, the ABI header and its documentation
+    assert system["content"] == prompt_mod.static_prompt("cuda")
+    assert system["content"].startswith(prompt_mod.system_prompt("cuda"))
     for needle in ("aten._softmax.default", "[4, 512, 2048]", "41.50 us", "H100", "the parent kernel",
                    "expected ';'", "#3"):
         assert needle in user["content"], needle
@@ -88,8 +90,8 @@ def test_the_prompt_carries_the_abi_doc_from_the_installed_package(server, monke
     server.script = [ok(f"```cuda\n{KERNEL}```")]
     p, _ = local(server, monkeypatch)
     p.propose(card, None, [], [])
-    prompt = server.requests[0]["body"]["messages"][1]["content"]
-    assert text in prompt and prompt_mod.abi_header() in prompt
+    static = server.requests[0]["body"]["messages"][0]["content"]
+    assert text in static and prompt_mod.abi_header() in static
     # and it is package data: the wheel's glob matches it, so an installed forgepack sends it too
     globs = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["forgepack"]
     assert any(fnmatch.fnmatch("abi/kernel-abi.md", g) for g in globs)
@@ -104,6 +106,20 @@ def test_a_key_is_sent_as_a_bearer_token_and_the_table_prices_a_known_model(serv
     assert server.requests[0]["headers"]["authorization"] == "Bearer sk-openai-test"
     assert p.paid and out.cost == pytest.approx((10_000 * 1.25 + 2_000 * 10.0) / 1e6)
     assert out.meta["model"] == "gpt-5-2025-08-07"
+
+
+def test_openais_own_api_gets_max_completion_tokens_and_a_bound_on_its_cost(monkeypatch, card):
+    """api.openai.com's reasoning models refuse `max_tokens`; every other server reads it. The worst case
+    checked before a call counts every prompt byte a token and the whole output allowance."""
+    monkeypatch.delenv(prices.PRICE_ENV, raising=False)
+    p = OpenAIProposer(target="cuda", model="gpt-5", api_key="sk-test", max_tokens=1000)
+    request = p.request(card, None, [], [])
+    assert request["max_completion_tokens"] == 1000 and "max_tokens" not in request
+    prompt_bytes = sum(len(m["content"].encode()) for m in request["messages"])
+    assert p.worst_case_cost(request) >= prices.cost("gpt-5", prompt_bytes, 1000)
+    local_request = OpenAIProposer(target="cuda", model="m", base_url="http://127.0.0.1:9/v1",
+                                   price=(1.0, 1.0)).request(card, None, [], [])
+    assert local_request["max_tokens"] == 8192 and "max_completion_tokens" not in local_request
 
 
 def test_missing_key_for_a_remote_server_says_how_to_set_it(monkeypatch):
@@ -209,3 +225,8 @@ def test_build_with_a_local_openai_compatible_server(profiled, tmp_path):
     assert all(c["state"] == "evaluated" and c["category"] in CATEGORIES for c in cands)
     for c in cands:  # the verdicts are the evaluator's: the broken kernel fails to compile, a known one does not
         assert (c["category"] == "compile") == (c["card_id"] not in kernels), c
+    # every exchange is saved with the build, in call order, without the key
+    recorded = cassette.Cassette.of_workspace(ws.root).exchanges()
+    assert [(e.card_id, e.proposer) for e in recorded] == [(c["card_id"], "openai") for c in calls]
+    assert [e.request for e in recorded] == [r["body"] for r in server.requests]
+    assert all(e.reply["choices"][0]["message"]["content"].startswith("Here:") for e in recorded)

@@ -150,3 +150,30 @@ def test_best_keeps_the_earlier_kernel_unless_a_later_one_is_faster_beyond_the_n
     a = tree_mod.Node(1, speedup=2.0, ci_low=1.999, ci_high=2.001)
     assert not tree_mod.clearly_faster(tree_mod.Node(2, speedup=2.03, ci_low=2.02, ci_high=2.04), a)
     assert tree_mod.clearly_faster(tree_mod.Node(2, speedup=2.05, ci_low=2.04, ci_high=2.06), a)
+
+
+def test_an_llm_draws_its_parents_from_the_best_kernels_by_speedup():
+    """The "best" policy: k calls in flight on a card go to its k best working kernels (the k-th call to the
+    k-th best), the root joining them while widening allows; with nothing working yet, all start from
+    scratch (best-of-k first attempts). Failed kernels are never parents."""
+    t = Tree("c", ceiling=8.0, config=TreeConfig(policy="best", top=3))
+    assert [t.select(rank) for rank in range(3)] == [t.root] * 3
+    grow(t, None, 1, 1.3)
+    grow(t, None, 2, 0.8)  # correct but slower: still a parent, after faster ones
+    grow(t, None, 3, None, category="mismatch")
+    grow(t, 1, 4, 2.1)
+    grow(t, 4, 5, 1.6)
+    assert not t.can_widen(t.root)  # 5 visits: 3 children allowed, 3 made
+    assert [t.select(rank).id for rank in range(4)] == [4, 5, 1, 4]
+    grow(t, 5, 6, 0.5)
+    grow(t, 5, 7, 0.6)
+    grow(t, 5, 8, 0.7)
+    grow(t, 5, 9, 0.9)
+    grow(t, 5, 10, 0.95)
+    assert t.can_widen(t.root)  # 10 visits: a fourth child of the root is allowed: a fresh start joins
+    assert [t.select(rank).id for rank in range(4)] == [4, 5, 1, None]
+    # what else was tried, for the prompt: outside the parent's lineage, working kernels fastest first,
+    # then the failures, each with the kernel it came from
+    assert [e.candidate_id for e in t.evaluated(t.nodes[5])] == [10, 9, 2, 8, 7, 6, 3]
+    assert [(e.candidate_id, e.parent_id) for e in t.evaluated(t.root, limit=3)] == [(4, 1), (5, 4), (1, None)]
+    assert t.evaluated(t.nodes[5])[-1].category == "mismatch"

@@ -6,19 +6,24 @@ budget, each with its own store: `allocator` (expected end-to-end gain per call,
 results and the allocation of both arms, wall time, and the estimated end-to-end gain (sum over cards
 of share x (1 - 1/speedup), as a fraction of the summed operator time). The allocator must come out ahead.
 
-Noise: a candidate that both arms propose (same card, same source) is evaluated once and its verdict
-reused by the other arm (`--no-share-verdicts` turns this off), so the comparison measures where the
-budget went, not timing noise; the second arm's wall time is then shorter, and the reuse is reported.
+Noise: a candidate that both arms propose (same card, same source) in one round is evaluated once and
+its verdict reused by the other arm (`--no-share-verdicts` turns this off), so the comparison measures
+where the budget went, not timing noise; the second arm's wall time is then shorter, and the reuse is
+reported. `--rounds R` repeats both arms R times on the same profile, each round with fresh stores and
+fresh measurements (the arm that goes first alternates), and reports per arm the median over rounds
+with a percentile bootstrap interval, and the same for the paired difference allocator - uniform.
 
     python tools/bench_search.py                        # llama-1b-prefill and resnet-50, budget 100
-    python tools/bench_search.py --recipes tiny-llama --target cpu --budget 12 --bench-reps 10
+    python tools/bench_search.py --recipes tiny-llama --target cpu --budget 8 16 --rounds 7
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import random
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -78,7 +83,42 @@ class SharedVerdicts:
         self.inner.close()
 
 
-def one_recipe(name: str, args: argparse.Namespace, root: Path) -> tuple[dict, str]:
+def median_ci(values: list[float], n: int = 2000, alpha: float = 0.05, seed: int = 0) -> tuple[float, float, float]:
+    """(median, low, high): the median and its percentile bootstrap interval (seeded)."""
+    rng = random.Random(seed)
+    meds = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(n))
+    return statistics.median(values), meds[int(n * alpha / 2)], meds[int(n * (1 - alpha / 2)) - 1]
+
+
+def compact(result: dict) -> dict:
+    """A search's figures without its per-card rows for cards that got no call, and without the plan."""
+    return {**{k: v for k, v in result.items() if k not in ("cards", "plan", "accepted")},
+            "cards": [c for c in result["cards"] if c["calls"]],
+            "accepted": [{k: a[k] for k in ("card_id", "speedup", "ci_low", "ci_high", "proposer", "candidate_id")}
+                         for a in result["accepted"]]}
+
+
+def one_arm(arm: str, r, ws, cards, facts, options: dict, args, stores: list[Store], tag: str,
+            budget: int) -> tuple[dict, Store]:
+    path = ws.root / f"store-{arm}-{tag}.sqlite"
+    for stale in ws.root.glob(f"store-{arm}-{tag}.sqlite*"):
+        stale.unlink()
+    store = Store(path)
+    proposer = pipeline.make_proposer(r.replace(build={"proposer": "templates"}), facts)
+    settings = run.Settings(budget=budget, target=facts.target, arch=facts.arch, strategy=arm,
+                            margin=r.build.margin)
+    local = pipeline.make_executor("local", r, facts, {"evaluator_options": options})
+    executor = SharedVerdicts(local, [] if args.no_share_verdicts else list(stores))
+    try:
+        result = run.Search(ws, cards, proposer, executor, settings, store=store).run()
+    finally:
+        executor.close()
+    data = {**compact(run.result_json(result)), "reused_verdicts": executor.reused,
+            "curve": gain_curve(store, cards, budget)}
+    return data, store
+
+
+def one_recipe(name: str, args: argparse.Namespace, root: Path) -> tuple[list[dict], str]:
     r = recipe.resolve(name)
     if args.target:
         r = r.replace(target={"device": args.target})
@@ -94,65 +134,84 @@ def one_recipe(name: str, args: argparse.Namespace, root: Path) -> tuple[dict, s
 
     if options and not supported_options(Evaluator, options):
         print("note: this Evaluator has no bench_reps option; the evaluator's own repetitions are used", flush=True)
-    arms: dict[str, dict] = {}
-    stores: list[Store] = []
+    results, text = [], ""
+    for budget in args.budget:
+        rounds: list[dict[str, dict]] = []
+        for k in range(args.rounds):
+            arms: dict[str, dict] = {}
+            stores: list[Store] = []
+            for arm in (ARMS if k % 2 == 0 else ARMS[::-1]):  # who measures first alternates
+                arms[arm], store = one_arm(arm, r, ws, cards, facts, options, args, stores, f"b{budget}r{k}", budget)
+                stores.append(store)
+                print(f"{name} budget {budget} round {k + 1}/{args.rounds} {arm}: gain "
+                      f"{100 * arms[arm]['estimated_gain']:.2f}% in {arms[arm]['wall_s']:.0f} s "
+                      f"({arms[arm]['calls']} calls, {arms[arm]['evaluated']} evaluated, "
+                      f"{arms[arm]['reused_verdicts']} reused)", flush=True)
+            for store in stores:
+                store.close()
+            rounds.append(arms)
+        data = {"recipe": name, "budget": budget, "profile_s": profile_s, "cards": len(cards), "rounds": rounds,
+                "summary": summary(rounds)}
+        results.append(data)
+        text += markdown(name, data, {c.id: c for c in cards})
+    return results, text
+
+
+def summary(rounds: list[dict[str, dict]]) -> dict:
+    """Per arm, and for the paired difference, the median over rounds with its bootstrap interval."""
+    out: dict = {}
     for arm in ARMS:
-        path = ws.root / f"store-{arm}.sqlite"
-        for stale in ws.root.glob(f"store-{arm}.sqlite*"):
-            stale.unlink()
-        store = Store(path)
-        proposer = pipeline.make_proposer(r.replace(build={"proposer": "templates"}), facts)
-        settings = run.Settings(budget=args.budget, target=facts.target, arch=facts.arch, strategy=arm,
-                                margin=r.build.margin)
-        local = pipeline.make_executor("local", r, facts, {"evaluator_options": options})
-        executor = SharedVerdicts(local, [] if args.no_share_verdicts else list(stores))
-        try:
-            result = run.Search(ws, cards, proposer, executor, settings, store=store).run()
-        finally:
-            executor.close()
-        arms[arm] = {**run.result_json(result), "reused_verdicts": executor.reused,
-                     "curve": gain_curve(store, cards, args.budget)}
-        stores.append(store)
-        print(f"{name} {arm}: gain {100 * result.estimated_gain:.2f}% in {result.wall_s:.0f} s "
-              f"({result.evaluated} evaluated, {executor.reused} reused)", flush=True)
-    for store in stores:
-        store.close()
-    data = {"recipe": name, "budget": args.budget, "profile_s": profile_s, "cards": len(cards), "arms": arms}
-    return data, markdown(name, data, {c.id: c for c in cards})
+        gains = [100 * rd[arm]["estimated_gain"] for rd in rounds]
+        out[arm] = {"gain_pct": median_ci(gains), "calls": statistics.median(rd[arm]["calls"] for rd in rounds),
+                    "accepted": statistics.median(len(rd[arm]["accepted"]) for rd in rounds),
+                    "wall_s": statistics.median(rd[arm]["wall_s"] for rd in rounds), "gains_pct": gains}
+    diff = [100 * (rd["allocator"]["estimated_gain"] - rd["uniform"]["estimated_gain"]) for rd in rounds]
+    out["difference"] = {"gain_pct": median_ci(diff), "gains_pct": diff,
+                         "allocator_ahead_in": sum(d > 0 for d in diff)}
+    return out
+
+
+def _mci(t: tuple[float, float, float]) -> str:
+    return f"{t[0]:.2f} [{t[1]:.2f}, {t[2]:.2f}]"
 
 
 def markdown(name: str, data: dict, cards: dict) -> str:
-    alloc, uni = data["arms"]["allocator"], data["arms"]["uniform"]
-    verdict = "ahead" if alloc["estimated_gain"] > uni["estimated_gain"] else "NOT ahead"
-    lines = [
-        f"## {name} (budget {data['budget']}, {data['cards']} cards, profile {data['profile_s']:.0f} s)\n",
-        f"estimated end-to-end gain (fraction of summed operator time): allocator "
-        f"**{100 * alloc['estimated_gain']:.2f}%** vs uniform **{100 * uni['estimated_gain']:.2f}%** -> "
-        f"allocator {verdict}\n",
-        f"calls spent: allocator {alloc['calls']} ({alloc['stopped']}), uniform {uni['calls']} ({uni['stopped']})\n",
-        f"wall: allocator {alloc['wall_s']:.0f} s, uniform {uni['wall_s']:.0f} s "
-        f"(uniform reused {uni['reused_verdicts']} verdicts); "
-        f"accepted kernels: allocator {len(alloc['accepted'])}, uniform {len(uni['accepted'])}\n",
-    ]
-    curves = {arm: {int(k): v for k, v in data["arms"][arm].get("curve", {}).items()} for arm in ARMS}
-    ks = sorted(set(curves["allocator"]) | set(curves["uniform"]))
+    rounds, summ = data["rounds"], data["summary"]
+    n = len(rounds)
+    lines = [f"## {name} (budget {data['budget']}, {data['cards']} cards, profile {data['profile_s']:.0f} s, "
+             f"{n} round{'s' if n != 1 else ''})\n"]
+    rows = [[arm, _mci(summ[arm]["gain_pct"]), f"{summ[arm]['calls']:g}", f"{summ[arm]['accepted']:g}",
+             f"{summ[arm]['wall_s']:.0f}", " ".join(f"{g:.2f}" for g in summ[arm]["gains_pct"])] for arm in ARMS]
+    diff = summ["difference"]
+    rows.append(["allocator - uniform", _mci(diff["gain_pct"]), "", "", "",
+                 " ".join(f"{g:+.2f}" for g in diff["gains_pct"])])
+    lines.append("estimated end-to-end gain (% of summed operator time): median over rounds [95% bootstrap "
+                 "interval of the median]\n")
+    lines.append(tabulate(rows, ["arm", "gain % median [CI]", "calls (median)", "accepted (median)",
+                                 "wall s (median)", "per round"], tablefmt="github") + "\n")
+    lines.append(f"allocator ahead in {diff['allocator_ahead_in']} of {n} rounds\n")
+    curves = {arm: [{int(k): v for k, v in rd[arm].get("curve", {}).items()} for rd in rounds] for arm in ARMS}
+    ks = sorted({k for arm in ARMS for c in curves[arm] for k in c})
     if ks:
-        def at(arm: str, k: int) -> str:
-            done = [j for j in curves[arm] if j <= k]
-            return f"{100 * curves[arm][max(done)]:.2f}" if done else "-"
+        def at(curve: dict[int, float], k: int) -> float:
+            done = [j for j in curve if j <= k]
+            return 100 * curve[max(done)] if done else 0.0
 
-        lines.append("estimated gain (%) after the first k calls:\n")
-        lines.append(tabulate([["allocator", *(at("allocator", k) for k in ks)],
-                               ["uniform", *(at("uniform", k) for k in ks)]],
-                              ["k", *map(str, ks)], tablefmt="github") + "\n")
+        lines.append("estimated gain (%) after the first k calls, median over rounds:\n")
+        lines.append(tabulate([[arm, *(f"{statistics.median(at(c, k) for c in curves[arm]):.2f}" for k in ks)]
+                               for arm in ARMS], ["k", *map(str, ks)], tablefmt="github") + "\n")
+    last = rounds[-1]
+    alloc, uni = last["allocator"], last["uniform"]
+    lines.append(f"last round, per card: allocator stopped: {alloc['stopped']}; uniform stopped: {uni['stopped']}\n")
     rows = []
-    by_card = {arm: {c["card_id"]: c for c in data["arms"][arm]["cards"]} for arm in ARMS}
+    by_card = {arm: {c["card_id"]: c for c in last[arm]["cards"]} for arm in ARMS}
     ids = {cid for arm in ARMS for cid, c in by_card[arm].items() if c["calls"]}
     for cid in sorted(ids, key=lambda c: -cards[c].profile.share):
-        a, u = by_card["allocator"][cid], by_card["uniform"][cid]
+        none = {"calls": 0, "best_speedup": None, "gain": 0.0}
+        a, u = by_card["allocator"].get(cid, none), by_card["uniform"].get(cid, none)
         rows.append([
-            cards[cid].op_name, cards[cid].signature()[:48], f"{100 * a['share']:.1f}", cards[cid].profile.baseline,
-            f"{cards[cid].profile.headroom:.1f}",
+            cards[cid].op_name, cards[cid].signature()[:48], f"{100 * cards[cid].profile.share:.1f}",
+            cards[cid].profile.baseline, f"{cards[cid].profile.headroom:.1f}",
             a["calls"], _speed(a), f"{100 * a['gain']:.2f}",
             u["calls"], _speed(u), f"{100 * u['gain']:.2f}",
         ])
@@ -168,11 +227,12 @@ def _speed(c: dict) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--recipes", nargs="+", default=["llama-1b-prefill", "resnet-50"])
-    parser.add_argument("--budget", type=int, default=100)
+    parser.add_argument("--budget", type=int, nargs="+", default=[100], help="one comparison per budget")
     parser.add_argument("--target", choices=("cuda", "cpu"), default=None, help="override the recipes' target")
     parser.add_argument("--bench-reps", type=int, default=15,
                         help="cap on timed repetitions per candidate (0: the evaluator's default)")
     parser.add_argument("--no-share-verdicts", action="store_true", help="evaluate every candidate in both arms")
+    parser.add_argument("--rounds", type=int, default=1, help="repeat both arms, fresh stores and measurements")
     parser.add_argument("--keep", action="store_true", help="keep the workspaces (printed at the end)")
     args = parser.parse_args()
     root = Path(os.environ.get("FORGEPACK_HOME", tempfile.gettempdir())) / "search-work"  # not in $OUT: big
@@ -180,14 +240,13 @@ def main() -> int:
     started = time.monotonic()
     results, md = [], benchlib.header_md("Search: allocator vs uniform split", info)
     ahead = False
-    for name in args.recipes:  # results are written after every recipe: a time limit keeps what is done
+    for finished, name in enumerate(args.recipes, 1):  # written after every recipe: a time limit keeps what is done
         data, text = one_recipe(name, args, root)
-        results.append(data)
+        results.extend(data)
         md += text
         wall = time.monotonic() - started
-        ahead = all(d["arms"]["allocator"]["estimated_gain"] > d["arms"]["uniform"]["estimated_gain"]
-                    for d in results)
-        done = f"{len(results)} of {len(args.recipes)} recipes"
+        ahead = all(d["summary"]["difference"]["gain_pct"][0] > 0 for d in results)
+        done = f"{finished} of {len(args.recipes)} recipes"
         benchlib.write("search", {**info, "wall_s": wall, "allocator_ahead": ahead, "results": results,
                                   "args": vars(args)},
                        md + f"total wall time: {wall:.0f} s ({done}); allocator ahead on every recipe: {ahead}\n")

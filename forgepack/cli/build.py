@@ -57,6 +57,16 @@ def build_command(
     llm_price: Annotated[str | None, typer.Option(
         "--llm-price", help="IN,OUT dollars per million tokens for a model the price table does not know; "
                             "0,0 for a local server (free: not counted against --max-cost)")] = None,
+    llm_concurrency: Annotated[int | None, typer.Option(
+        "--llm-concurrency", help="LLM calls in flight at once (replies are recorded in the order the calls "
+                                  "were decided, so the build stays reproducible)", show_default="1")] = None,
+    llm_samples: Annotated[int | None, typer.Option(
+        "--llm-samples", help="of those, calls in flight on one card: best-of-k samples, each refining one of "
+                              "the card's best kernels", show_default="--llm-concurrency")] = None,
+    min_gain_per_dollar: Annotated[float | None, typer.Option(
+        "--min-gain-per-dollar", help="a paid LLM call must be expected to save at least this fraction of the "
+                                      "model's operator time per dollar (--explain shows each call's)",
+        show_default=f"{run.MIN_GAIN_PER_DOLLAR:g}")] = None,
     old_llm_model: Annotated[str | None, typer.Option("--model", hidden=True, help="deprecated: --llm-model")] = None,
     explain: Annotated[bool, typer.Option("--explain", help="print why each call went where it did")] = False,
     max_cost: Annotated[float | None, typer.Option("--max-cost", help="cap on LLM spend, US dollars")] = None,
@@ -103,7 +113,7 @@ def build_command(
              "gate": False if no_gate else None, "time_limit": time_limit}
     recipe = resolve(spec, target=target, task=task, dtype=dtype, batch=batch, seq_len=seq_len, build=build,
                      phase=phase)
-    llm_environment(recipe.build.proposer, llm_base_url, llm_price)
+    llm_environment(recipe.build.proposer, llm_base_url, llm_price, llm_concurrency, llm_samples, min_gain_per_dollar)
     ws = workspace_for(recipe, workspace)
     # --json: stdout holds the JSON alone; the progress and the tables go to stderr, so a long build's
     # log still says how far it got
@@ -125,9 +135,21 @@ def build_command(
         raise ForgepackError(f"no pack written: {packed.refused}")
 
 
-def llm_environment(proposer: str | None, base_url: str | None, price: str | None) -> None:
-    """The LLM flags as the environment the proposers read (the recipe has no fields for them), set for
-    this process only: the build and the workers it starts."""
+def llm_environment(proposer: str | None, base_url: str | None, price: str | None, concurrency: int | None = None,
+                    samples: int | None = None, min_gain: float | None = None) -> None:
+    """The LLM flags as the environment the proposers and the search read (the recipe has no fields for
+    them), set for this process only: the build and the workers it starts."""
+    for flag, value in (("--llm-concurrency", concurrency), ("--llm-samples", samples)):
+        if value is not None and value < 1:
+            raise UsageError(f"{flag} must be 1 or more, got {value}")
+        if value is not None and value > 1 and proposer not in BASE_URL_ENVS:
+            raise UsageError(f"{flag} needs --proposer {' or '.join(BASE_URL_ENVS)} (templates calls need no waiting)")
+    if min_gain is not None and min_gain < 0:
+        raise UsageError(f"--min-gain-per-dollar cannot be negative, got {min_gain}")
+    for name, value in ((run.CONCURRENCY_ENV, concurrency), (run.SAMPLES_ENV, samples),
+                        (run.MIN_GAIN_ENV, min_gain)):
+        if value is not None:
+            os.environ[name] = str(value)
     if price is not None:
         os.environ[prices.PRICE_ENV] = ",".join(str(p) for p in prices.parse_price(price))
     if base_url is not None:

@@ -16,7 +16,9 @@ highest estimated gain per call:
   reached, so the budget does not chase refinements that only ever give a few percent.
 - The achievable headroom is eager time over roofline time, where no kernel can be faster than
   ``floor_us`` (launch latency: a 5 us op with a 0.01 us roofline does not have 500x to give) and the
-  whole is capped at ``headroom_cap`` (roofline estimates of odd ops are not to be trusted further).
+  whole is capped at ``headroom_cap`` (roofline estimates of odd ops are not to be trusted further). A
+  card whose best kernel already went well past its roofline (the estimate was wrong) keeps a refinement
+  margin above its best instead of being dropped as at its ceiling.
 - ``p(success)``, the chance that one call improves the card's best, is a Beta posterior: the baseline
   class's prior (vendor kernels are rarely beaten, native ones often), updated with the results of the
   other cards of the same class, shrunk into the card's own results (``prior_strength`` pseudo-calls).
@@ -31,8 +33,12 @@ highest estimated gain per call:
   headroom is below the acceptance margin, its best already reached the ceiling, its search space is
   exhausted, or it has gone ``patience`` calls without improving (Ansor drops tasks that stop yielding).
 
+- A paid proposer's call must be expected to save at least ``min_gain_per_dollar`` of the model's
+  operator time per dollar: a card whose score over ``cost_per_call`` (what a call is expected to cost,
+  the search's running mean) falls below it gets no call now (`--min-gain-per-dollar`).
+
 Every decision carries its reason, and the per-card scores it compared, so `--explain` and the store can
-say why each call went where it did.
+say why each call went where it did (with the gain per dollar where calls cost money).
 """
 
 from __future__ import annotations
@@ -71,6 +77,8 @@ class Config:
     margin: float = 0.05  # acceptance margin: a card whose headroom is below it cannot win
     max_pending: int | None = None  # calls in flight per card (1 for an LLM: each call sees the last verdict)
     improvement: float = 0.02  # a better kernel counts as a success only past this (smaller is timing noise)
+    min_gain_per_dollar: float = 0.0  # a paid call's expected end-to-end gain per dollar must reach this
+    cost_per_call: float = 0.0  # dollars a call is expected to cost (0: free, or not known yet)
 
     def prior(self, baseline: str) -> tuple[float, float]:
         return self.priors.get(baseline, self.priors["native"])
@@ -119,6 +127,7 @@ class Score:
     headroom: float  # achievable
     gain: float  # end-to-end gain if the next call succeeds
     dropped: str | None = None  # why this card gets no more calls (now)
+    per_dollar: float | None = None  # score over the expected cost of a call (None: calls are free)
 
     def short(self) -> str:
         if self.dropped:
@@ -262,7 +271,11 @@ def achievable_headroom(state: CardState, cfg: Config) -> float:
         headroom = state.headroom
     capped = min(headroom, cfg.headroom_cap)
     if state.best_speedup >= capped:
-        capped = min(headroom, state.best_speedup * (1 + cfg.refine_margin))
+        room = state.best_speedup * (1 + cfg.refine_margin)
+        # a kernel well past the measured roofline proves the estimate wrong (on the cpu a small op's data
+        # stays in cache, which a DRAM roofline does not count): it keeps its refinement margin
+        beaten = state.best_speedup > max(1.0, headroom) * (1 + cfg.refine_margin)
+        capped = room if beaten else min(headroom, room)
     return max(1.0, capped)
 
 
@@ -366,7 +379,11 @@ def score(state: CardState, states: Sequence[CardState], cfg: Config, reach: Rea
     else:
         value = forward
     dropped = drop_reason(state, headroom, cfg, share)
-    return Score(state.card_id, 0.0 if dropped else value, forward, backward, p, headroom, gain, dropped)
+    per_dollar = value / cfg.cost_per_call if cfg.cost_per_call > 0 else None
+    if dropped is None and per_dollar is not None and per_dollar < cfg.min_gain_per_dollar:
+        dropped = (f"est. gain/$ {per_dollar:.2e} is below the minimum {cfg.min_gain_per_dollar:.2e} "
+                   f"(a call is expected to cost ${cfg.cost_per_call:.4f})")
+    return Score(state.card_id, 0.0 if dropped else value, forward, backward, p, headroom, gain, dropped, per_dollar)
 
 
 def scores(states: Sequence[CardState], cfg: Config, reach: Reach | None = None) -> list[Score]:
@@ -397,6 +414,8 @@ def decide(states: Sequence[CardState], cfg: Config, reach: Reach | None = None)
         f"p {top.p:.2f}, headroom {top.headroom:.2f}x, best {state.best_speedup:.2f}x, "
         f"forward {top.forward:.2e}, recent {top.backward:.2e}, reach {reach.first:.2f}/{reach.refine:.2f})"
     )
+    if top.per_dollar is not None:
+        reason += f"; est. gain/$ {top.per_dollar:.2e} at ${cfg.cost_per_call:.4f} a call"
     if len(live) > 1:
         reason += f"; next best {live[1].card_id} {live[1].score:.2e}"
     return Decision(top.card_id, reason, tuple(ranked))

@@ -12,6 +12,16 @@ two evaluators, with more in flight, is a different, equally deterministic searc
 source file, then call + pending candidate (one transaction), then the verdict. On start, the trees are
 rebuilt from the store and pending candidates are evaluated before anything new is proposed; the budget
 counts the calls already in the store (per proposer), and dollars across all calls.
+
+An LLM proposer (`proposers.Exchanger`) has up to ``concurrency`` calls in flight (``--llm-concurrency``),
+and a card up to ``samples`` of them (best-of-k, ``--llm-samples``). Calls are decided one at a time as
+above, each seeing the ones decided before it as pending (the allocator's virtual loss; the tree's
+"best" policy gives the k-th call in flight on a card its k-th best kernel as parent), and sent at once
+on a thread pool; a round of sent calls is recorded, in the order it was decided, when it is full, when
+no card is worth another call, or before a verdict is taken. So the replies' arrival order changes
+nothing: the same replies (and verdicts) give the same calls, candidates and verdicts, which is what
+lets a recorded build be replayed (`forgepack.search.cassette`). Each exchange is written to the
+workspace's cassette before its call row.
 """
 
 from __future__ import annotations
@@ -19,10 +29,12 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 import shutil
 import time
+from collections import Counter
 from collections.abc import Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,19 +45,30 @@ from forgepack import packreport
 from forgepack.accepted import AcceptedKernel
 from forgepack.cards import Card
 from forgepack.errors import ForgepackError
-from forgepack.search import allocator
+from forgepack.search import allocator, cassette, resources
 from forgepack.search.allocator import CallResult, Config, Decision, PlanRow
 from forgepack.search.executor import Executor, file_sha256
-from forgepack.search.proposers import NothingToPropose, Parent, Proposal, Proposer
+from forgepack.search.proposers import Context, Example, NothingToPropose, Parent, Proposal, Proposer, exchanges
 from forgepack.search.store import CallRecord, CandidateRecord, Store, VerdictRow
-from forgepack.search.tree import Tree, TreeConfig
+from forgepack.search.tree import Node, Tree, TreeConfig
 from forgepack.workspace import Workspace
 
 # no kernel launch + run is faster than this (allocator headroom). On the cpu a kernel is a function call
 # from the shim: tiny-llama's cat ran in 0.58 us, so a 1 us floor capped its headroom at 3.2x below the
 # 5.5x its first kernel reached, and the card was dropped as "at its ceiling" after one call
 FLOOR_US = {"cuda": 2.0, "cpu": 0.1}
-FEEDBACK_CHARS = 2000
+FEEDBACK_CHARS = 4000  # a verdict's feedback, cut at a line end (a compiler's first errors matter most)
+LINE_CHARS = 1000  # one line past this is cut (a template instantiation's error can run to pages)
+EXAMPLE_CHARS = 16000  # a kernel source longer than this is not shown as an example
+SIMILAR = 2  # accepted kernels of similar cards shown per prompt
+
+# The CLI's LLM options, as the environment of the build process (the recipe has no fields for them).
+CONCURRENCY_ENV = "FORGEPACK_LLM_CONCURRENCY"
+SAMPLES_ENV = "FORGEPACK_LLM_SAMPLES"
+MIN_GAIN_ENV = "FORGEPACK_MIN_GAIN_PER_DOLLAR"
+# A paid call must be expected to save at least this fraction of the model's operator time per dollar
+# (0.1%/$: a $0.10 call must be expected to save 0.01%); a free proposer is never held to it.
+MIN_GAIN_PER_DOLLAR = 1e-3
 
 
 @dataclass(frozen=True)
@@ -59,6 +82,32 @@ class Settings:
     margin: float = 0.05
     allocator: Config | None = None
     tree: TreeConfig = field(default_factory=TreeConfig)
+    concurrency: int | None = None  # LLM calls in flight (None: $FORGEPACK_LLM_CONCURRENCY, else 1)
+    samples: int | None = None  # of them on one card, best-of-k (None: $FORGEPACK_LLM_SAMPLES, else concurrency)
+    min_gain_per_dollar: float | None = None  # (None: $FORGEPACK_MIN_GAIN_PER_DOLLAR, else MIN_GAIN_PER_DOLLAR)
+
+    def resolved(self) -> Settings:
+        """The settings with every None above given its value (from the environment, else the default)."""
+        concurrency = self.concurrency or _env_number(CONCURRENCY_ENV, int) or 1
+        samples = self.samples or _env_number(SAMPLES_ENV, int) or concurrency
+        gain = self.min_gain_per_dollar
+        if gain is None:
+            gain = _env_number(MIN_GAIN_ENV, float)
+        if concurrency < 1 or samples < 1:
+            raise ForgepackError(f"--llm-concurrency and --llm-samples must be 1 or more, got {concurrency} and "
+                                 f"{samples}")
+        return dataclasses.replace(self, concurrency=concurrency, samples=min(samples, concurrency),
+                                   min_gain_per_dollar=MIN_GAIN_PER_DOLLAR if gain is None else gain)
+
+
+def _env_number(name: str, kind: type) -> int | float | None:
+    value = os.environ.get(name)
+    if not value:
+        return None
+    try:
+        return kind(value)
+    except ValueError:
+        raise ForgepackError(f"{name}={value!r} is not a number") from None
 
 
 @dataclass(frozen=True)
@@ -147,18 +196,74 @@ def verdict_row(verdict: Any, margin: float, binary_path: str | None) -> Verdict
     )
 
 
+# Diagnostics a proposer gains nothing from (seeds, hashes, per-point figures) or sees elsewhere.
+QUIET = frozenset({"seed", "binary_sha256", "verification", "bench", "margin", "placements", "element_aligned",
+                   "suspicious", "family", "resources"})
+
+
 def feedback_text(verdict: Any, margin: float) -> str:
+    """What a proposer is told of a verdict: one line, then the diagnostics raw (a compiler's log as it
+    printed it, not JSON-escaped), cut at a line end, and (CUDA) the kernels' registers and spills."""
+    diagnostics = verdict.diagnostics or {}
+    usage = resources.summary(diagnostics.get("resources") or [])
     if verdict.accepted:
-        return f"accepted: {verdict.speedup:.3f}x ({verdict.kernel_us:.2f} us vs eager {verdict.eager_us:.2f} us)"
-    text = f"{verdict.category}: {verdict.reason}"
+        head = f"accepted: {verdict.speedup:.3f}x ({verdict.kernel_us:.2f} us vs eager {verdict.eager_us:.2f} us)"
+        return head + (f"\n{usage}" if usage else "")
+    lines = [f"{verdict.category}: {verdict.reason}"]
     if verdict.category == "slower" and verdict.speedup is not None:
-        text += (f" (measured {verdict.speedup:.3f}x, interval {verdict.ci_low:.3f}-{verdict.ci_high:.3f}; "
-                 f"needs at least {1 + margin:.2f}x with the interval above 1)")
-    diagnostics = verdict.diagnostics
-    if diagnostics:
-        detail = diagnostics if isinstance(diagnostics, str) else json.dumps(diagnostics, default=str)
-        text += "\n" + detail
-    return text[:FEEDBACK_CHARS]
+        lines[0] += (f" (measured {verdict.speedup:.3f}x, interval {verdict.ci_low:.3f}-{verdict.ci_high:.3f}; "
+                     f"needs at least {1 + margin:.2f}x with the interval above 1)")
+    if usage:
+        lines.append(usage)
+    if isinstance(diagnostics, str):
+        lines.extend(diagnostics.splitlines())
+        diagnostics = {}
+    for key, value in diagnostics.items():
+        if key in QUIET:
+            continue
+        if isinstance(value, str) and "\n" in value.strip():
+            lines.append(f"{key}:")
+            lines.extend(value.rstrip().splitlines())
+        else:
+            text = value if isinstance(value, str) else json.dumps(value, default=str)
+            lines.append(f"{key}: {text}")
+    return whole_lines(lines, FEEDBACK_CHARS)
+
+
+def whole_lines(lines: list[str], limit: int) -> str:
+    """`lines` joined, as many as fit in `limit` characters (the first always), each at most LINE_CHARS;
+    what is left out is counted, never cut mid-line.
+
+    >>> whole_lines(["error: a", "  at b", "  at c"], 16)
+    'error: a\\n  at b\\n[1 more line]'
+    """
+    kept, used = [], 0
+    for k, line in enumerate(lines):
+        if len(line) > LINE_CHARS:
+            line = line[:LINE_CHARS] + " [...]"
+        if kept and used + len(line) + 1 > limit:
+            left = len(lines) - k
+            kept.append(f"[{left} more line{'s' if left != 1 else ''}]")
+            break
+        kept.append(line)
+        used += len(line) + 1
+    return "\n".join(kept)
+
+
+@dataclass
+class Sent:
+    """A call decided and sent to an LLM, its reply not yet recorded (one of the open round's)."""
+
+    key: int  # its provisional key in `Search.history` (negative)
+    card: Card
+    tree: Tree
+    parent_id: int | None
+    parent_hash: str
+    occurrence: int
+    decision: Decision
+    request: dict
+    worst: float
+    future: Future  # (reply, attempts, seconds)
 
 
 class Search:
@@ -178,22 +283,41 @@ class Search:
         self.cards = {c.id: c for c in cards}
         self.proposer = proposer
         self.executor = executor
-        self.settings = settings
-        # A paid proposer (an LLM) gets one call in flight per card, so each call sees the previous verdict;
-        # a free deterministic one (templates) proposes untried points in parallel.
+        self.settings = settings = settings.resolved()
+        self.exchanger = exchanges(proposer)
+        adaptive = bool(getattr(proposer, "adaptive", False))
+        # A paid proposer (an LLM) gets up to `samples` calls in flight per card, so each call sees the
+        # verdicts before it; a free deterministic one (templates) proposes untried points in parallel.
+        self.concurrency = settings.concurrency if self.exchanger else 1
         self.cfg = settings.allocator or Config(
             floor_us=FLOOR_US.get(settings.target, 1.0), margin=settings.margin,
-            max_pending=1 if proposer.adaptive else None,
+            max_pending=settings.samples if adaptive else None,
         )
+        self.paid = bool(getattr(proposer, "paid", False))
+        if self.paid and settings.allocator is None:
+            self.cfg = dataclasses.replace(self.cfg, min_gain_per_dollar=settings.min_gain_per_dollar)
+        # an LLM refines the best kernels (and samples several first attempts); templates walk by UCT
+        self.tree_config = dataclasses.replace(settings.tree, policy="best") if adaptive else settings.tree
         self.store = store or Store(workspace.store_path)
         self.reporter = reporter or Reporter()
         self.decide = allocator.STRATEGIES[settings.strategy]
         self._unsupported = unsearchable(workspace, cards, proposer, settings.target)
         self.exhausted: set[str] = set()
-        self.history: dict[int, CallResult] = {}  # call id -> result, in call order
+        self.history: dict[int, CallResult] = {}  # call id -> result, in call order (open round: negative ids)
         self.call_candidate: dict[int, int] = {}  # call id -> the new candidate it made
         self.trees: dict[str, Tree] = {}
         self.inflight: dict[Future, CandidateRecord] = {}  # in submission order, the order results are taken in
+        self.round: list[Sent] = []  # LLM calls sent, not yet recorded, in the order they were decided
+        self.asked: Counter = Counter()  # calls so far per (card, parent source hash): the cassette's key
+        self.cassette = cassette.Cassette.of_workspace(workspace.root) if self.exchanger else None
+        where = cassette.replay_dir() if self.exchanger else None
+        self.replay = cassette.Replay(where) if where is not None else None
+        self._pool: ThreadPoolExecutor | None = None
+        # CUDA: registers and spills of each LLM candidate, for its feedback (ptxas, beside the evaluation)
+        self._ptxas: ThreadPoolExecutor | None = None
+        self._usage: dict[int, Future] = {}
+        self._provisional = 0
+        self._nominal_cost: float | None = None
         self.lag = 1  # candidates in flight when a call is decided; fixed in `run`
         self.new_calls = 0
         self.evaluated = 0
@@ -214,7 +338,7 @@ class Search:
         states = {s.card_id: s for s in self.states()}
         for card_id, state in states.items():
             ceiling = allocator.achievable_headroom(state, self.cfg)
-            self.trees[card_id] = Tree(card_id, ceiling, self.settings.tree)
+            self.trees[card_id] = Tree(card_id, ceiling, self.tree_config)
         candidates = {c.id: c for c in self.store.candidates() if c.card_id in self.cards}
         for cand in candidates.values():
             tree = self.trees[cand.card_id]
@@ -224,6 +348,9 @@ class Search:
         for call in self.store.calls():
             if call.card_id not in self.cards:
                 continue
+            if call.proposer == self.proposer.name:
+                parent = candidates.get(call.parent_id) if call.parent_id else None
+                self.asked[(call.card_id, parent.source_hash if parent else "")] += 1
             cand = candidates.get(call.candidate_id) if call.candidate_id else None
             if call.outcome == "new" and cand is not None:
                 self.history[call.id] = call_result(cand)
@@ -236,10 +363,11 @@ class Search:
 
     @staticmethod
     def _record_in_tree(tree: Tree, cand: CandidateRecord) -> None:
+        usage = ((cand.verdict or {}).get("diagnostics") or {}).get("resources") or []
         tree.record(
             cand.id, accepted=bool(cand.accepted), category=cand.category, speedup=cand.speedup,
             kernel_us=cand.kernel_us, eager_us=cand.eager_us, feedback=cand.feedback, ci_low=cand.ci_low,
-            ci_high=cand.ci_high,
+            ci_high=cand.ci_high, resources=resources.summary(usage),
         )
 
     def summary(self, card_id: str, states: list[allocator.CardState] | None = None) -> CardSummary:
@@ -266,7 +394,7 @@ class Search:
     # --- budget ----------------------------------------------------------------------------------
 
     def _stop_reason(self) -> str | None:
-        spent = self.store.calls_spent(self.proposer.name)
+        spent = self.store.calls_spent(self.proposer.name) + len(self.round)
         if spent >= self.settings.budget:
             return f"budget spent: {spent} of {self.settings.budget} {self.proposer.name} calls"
         if self.settings.deadline is not None:
@@ -277,10 +405,24 @@ class Search:
                 return (f"time limit: {spent} of {self.settings.budget} {self.proposer.name} calls spent when the "
                         f"next call would end past it (a later build with more time continues)")
         if self.settings.max_cost is not None and self.proposer.paid:
-            _, _, dollars = self.store.spend()  # each call's worst case is checked as it is made (`_over_cap`)
+            dollars = self._committed()  # each call's worst case is checked as it is made (`_over_cap`)
             if dollars >= self.settings.max_cost:
                 return f"cost cap: ${dollars:.4f} spent of ${self.settings.max_cost:.4f}"
         return None
+
+    def _committed(self) -> float:
+        """Dollars spent, with the worst case of each call still in flight."""
+        return self.store.spend()[2] + sum(sent.worst for sent in self.round)
+
+    def _config(self) -> Config:
+        """The allocator's config, with what a paid call is expected to cost (for the minimum gain per
+        dollar and `--explain`): the mean of this proposer's calls so far, before any the worst case of a
+        first prompt."""
+        if not self.paid:
+            return self.cfg
+        mean = self.store.mean_cost(self.proposer.name)
+        cost = mean if mean is not None else self._nominal_cost
+        return dataclasses.replace(self.cfg, cost_per_call=cost or 0.0)
 
     # --- the loop --------------------------------------------------------------------------------
 
@@ -288,8 +430,10 @@ class Search:
         started = time.monotonic()
         self.started = self.clock()
         # one more in flight per extra evaluator: when results finish out of order, the evaluator that
-        # finished early still has a candidate to take while the search waits for the oldest
-        self.lag = max(1, int(self.executor.slots)) + max(0, int(getattr(self.executor, "evaluators", 1)) - 1)
+        # finished early still has a candidate to take while the search waits for the oldest; and room
+        # for a round of LLM calls beside them
+        self.lag = (max(1, int(self.executor.slots)) + max(0, int(getattr(self.executor, "evaluators", 1)) - 1)
+                    + self.concurrency - 1)
         for cand in self._rebuild():
             self._submit(cand)
         if self.inflight:
@@ -298,12 +442,23 @@ class Search:
         if gated:
             self.reporter.note(f"{len(gated)} cards get no calls, the end-to-end gate dropped their kernels: "
                                + ", ".join(gated))
+        if self.replay is not None:
+            self.reporter.note(f"replaying the LLM's replies from {self.replay.root} ({cassette.REPLAY_ENV})")
+        self._nominal_cost = self._first_prompt_cost()
         remaining = max(0, self.settings.budget - self.store.calls_spent(self.proposer.name))
-        plan = allocator.plan(self.states(), remaining, self.cfg, self.settings.strategy)
+        plan = allocator.plan(self.states(), remaining, self._config(), self.settings.strategy)
         self.reporter.plan(plan, remaining)
-        stopped = self._loop()
-        while self.inflight:
-            self._take_oldest()
+        if self.exchanger and self.replay is None:
+            self._pool = ThreadPoolExecutor(max_workers=self.concurrency, thread_name_prefix="llm")
+        try:
+            stopped = self._loop()
+            self._flush()
+            while self.inflight:
+                self._take_oldest()
+        finally:
+            for pool in (self._pool, self._ptxas):
+                if pool is not None:
+                    pool.shutdown(wait=False, cancel_futures=True)
         tokens_in, tokens_out, cost = self.store.spend()
         states = self.states()
         return SearchResult(
@@ -324,11 +479,17 @@ class Search:
             stop = self._stop_reason()
             if stop:
                 return stop
-            if len(self.inflight) >= self.lag:
-                self._take_oldest()
+            if len(self.inflight) + len(self.round) >= self.lag:
+                if self.round:
+                    self._flush()
+                else:
+                    self._take_oldest()
                 continue
-            decision = self.decide(self.states(), self.cfg)
+            decision = self.decide(self.states(), self._config())
             if decision.card_id is None:
+                if self.round:
+                    self._flush()
+                    continue
                 if self.inflight:
                     self._take_oldest()
                     continue
@@ -336,31 +497,35 @@ class Search:
             stop = self._call(decision)
             if stop:
                 return stop
+            if len(self.round) >= self.concurrency:
+                self._flush()
 
     def _call(self, decision: Decision) -> str | None:
         """Make the decided call; returns why the search stops instead (the call could pass the cost cap)."""
         card, tree = self.cards[decision.card_id], self.trees[decision.card_id]
+        in_flight = sum(1 for r in self.history.values() if r.pending and r.card_id == card.id)
         while True:
-            node = tree.select()
+            node = tree.select(in_flight)
             if node is None:
                 self.exhausted.add(card.id)
                 return None
-            parent = None
-            if node.id is not None:
-                parent_rec = self.store.candidate(node.id)
-                parent = Parent(
-                    candidate_id=node.id,
-                    source=(self.ws.root / parent_rec.source_path).read_text(),
-                    params=node.params,
-                    proposer=node.proposer,
-                    speedup=node.speedup,
-                    kernel_us=node.kernel_us,
-                )
-            tried = frozenset(n.params_key() for n in tree.nodes.values())
+            parent = self._parent(node)
             lineage, feedback = tree.lineage(node), tree.feedback(node)
-            over = self._over_cap(card, parent, lineage, feedback)
+            if self.exchanger:
+                parent_hash = self.store.candidate(node.id).source_hash if node.id is not None else ""
+                occurrence = self.asked[(card.id, parent_hash)]
+                context = self._context(card, tree, node, occurrence)
+                request = self.proposer.request(card, parent, lineage, feedback, context)
+                worst = float(self.proposer.worst_case_cost(request))
+                over = self._over_cap(card, worst)
+                if over:
+                    return over
+                self._send(card, tree, node.id, parent_hash, occurrence, decision, request, worst)
+                return None
+            over = self._over_cap(card, self._worst_case(card, parent, lineage, feedback))
             if over:
                 return over
+            tried = frozenset(n.params_key() for n in tree.nodes.values())
             try:
                 started = time.monotonic()
                 proposal = self.proposer.propose(card, parent, lineage, feedback, tried)
@@ -371,24 +536,116 @@ class Search:
             self._record(card, tree, node.id, proposal, decision, seconds)
             return None
 
-    def _over_cap(self, card: Card, parent: Parent | None, lineage: Sequence[Any],
-                  feedback: Sequence[str]) -> str | None:
+    def _parent(self, node: Node) -> Parent | None:
+        if node.id is None:
+            return None
+        rec = self.store.candidate(node.id)
+        return Parent(candidate_id=node.id, source=(self.ws.root / rec.source_path).read_text(), params=node.params,
+                      proposer=node.proposer, speedup=node.speedup, kernel_us=node.kernel_us)
+
+    def _worst_case(self, card: Card, parent: Parent | None, lineage: Sequence[Any],
+                    feedback: Sequence[str]) -> float | None:
+        """A proposer's bound on the dollars of this very call (None: it states none)."""
+        if self.settings.max_cost is None or not self.proposer.paid:
+            return 0.0
+        bound = getattr(self.proposer, "worst_case_cost", None)
+        return None if bound is None else float(bound(card, parent, lineage, feedback))
+
+    def _over_cap(self, card: Card, worst: float | None) -> str | None:
         """Why this call may not be made under `max_cost`: its worst case (the proposer's bound for this
-        very prompt, at the most output it allows) could pass the cap. Checked before every call, the
-        first included: an average of the calls so far says nothing before the first and too little after."""
+        very prompt, at the most output it allows), added to what is spent and to the worst case of the
+        calls still in flight, could pass the cap. Checked before every call, the first included: an
+        average of the calls so far says nothing before the first and too little after."""
         cap = self.settings.max_cost
         if cap is None or not self.proposer.paid:
             return None
-        _, _, spent = self.store.spend()
-        bound = getattr(self.proposer, "worst_case_cost", None)
-        if bound is None:
+        if worst is None:
             return (f"cost cap: the {self.proposer.name} proposer states no worst-case cost of a call, so no call "
                     f"can be shown to stay under ${cap:.2f}")
-        worst = float(bound(card, parent, lineage, feedback))
+        spent = self._committed()
         if spent + worst > cap:
             return (f"cost cap: ${spent:.4f} spent; the next call ({card.id}) could cost up to ${worst:.4f}, "
                     f"past the ${cap:.4f} cap")
         return None
+
+    def _first_prompt_cost(self) -> float | None:
+        """The worst case of a from-scratch call to the card with the largest share that may get calls:
+        what the allocator takes a call to cost until the first one is recorded."""
+        if not (self.exchanger and self.paid):
+            return None
+        open_cards = [c for c in self.cards.values() if not self._unsupported[c.id] and c.profile is not None]
+        if not open_cards:
+            return None
+        card = max(open_cards, key=lambda c: (c.profile.share, c.id))
+        return float(self.proposer.worst_case_cost(self.proposer.request(card, None, [], [], Context())))
+
+    # --- LLM calls: sent in parallel, recorded in order --------------------------------------------
+
+    def _send(self, card: Card, tree: Tree, parent_id: int | None, parent_hash: str, occurrence: int,
+              decision: Decision, request: dict, worst: float) -> None:
+        self.asked[(card.id, parent_hash)] += 1
+        if self.replay is not None:
+            recorded = self.replay.reply(card.id, parent_hash, occurrence, self.proposer.name)
+            future: Future = Future()
+            future.set_result((recorded.reply, recorded.attempts, recorded.seconds))
+        else:
+            future = self._pool.submit(self._timed_send, request)
+        self._provisional -= 1
+        self.history[self._provisional] = CallResult(card.id, pending=True)
+        self.round.append(Sent(self._provisional, card, tree, parent_id, parent_hash, occurrence, decision, request,
+                               worst, future))
+
+    def _timed_send(self, request: dict) -> tuple[dict, int, float]:
+        started = time.monotonic()
+        reply, attempts = self.proposer.send(request)
+        return reply, attempts, time.monotonic() - started
+
+    def _flush(self) -> None:
+        """Record the open round's calls in the order they were decided (each exchange to the cassette
+        first), whatever order their replies came in. A call whose API gave up is not recorded; the
+        others are, then its error stops the build (the same command resumes)."""
+        sent, self.round = self.round, []
+        error: BaseException | None = None
+        for item in sent:
+            del self.history[item.key]
+            try:
+                reply, attempts, seconds = item.future.result()
+            except BaseException as err:  # re-raised below, once the others are recorded
+                error = error or err
+                continue
+            proposal = self.proposer.parse(item.request, reply, attempts, seconds)
+            self.cassette.record(cassette.Exchange(
+                card_id=item.card.id, parent_hash=item.parent_hash, occurrence=item.occurrence,
+                proposer=self.proposer.name, model=proposal.model, request=item.request, reply=reply,
+                attempts=attempts, seconds=round(seconds, 3)))
+            self._record(item.card, item.tree, item.parent_id, proposal, item.decision, seconds)
+        if error is not None:
+            raise error
+
+    def _context(self, card: Card, tree: Tree, node: Node, attempt: int = 0) -> Context:
+        """What else the prompt shows: the card's other evaluated kernels (the node's siblings among them),
+        its best kernel (when the node is not it), the best accepted kernels of similar cards, and how
+        many calls from the node came before."""
+        best = tree.best() or next(iter(tree.ranked()), None)
+        shown = self._example(card.id, best) if best is not None and best.id != node.id else None
+        similar = []
+        for other, other_tree in self.trees.items():
+            kept = other_tree.best()
+            if other == card.id or kept is None or not similar_cards(card, self.cards[other]):
+                continue
+            example = self._example(other, kept)
+            if example is not None:
+                similar.append(example)
+        similar.sort(key=lambda e: (-(e.speedup or 0.0), e.candidate_id))
+        return Context(evaluated=tuple(tree.evaluated(node)), best=shown, similar=tuple(similar[:SIMILAR]),
+                       attempt=attempt)
+
+    def _example(self, card_id: str, node: Node) -> Example | None:
+        source = (self.ws.root / self.store.candidate(node.id).source_path).read_text()
+        if len(source) > EXAMPLE_CHARS:
+            return None
+        verdict = "accepted" if node.accepted else (node.category or "slower")
+        return Example(node.id, card_id, self.cards[card_id].signature(), source, node.speedup, verdict)
 
     def _record(
         self, card: Card, tree: Tree, parent_id: int | None, proposal: Proposal, decision: Decision, seconds: float
@@ -440,6 +697,10 @@ class Search:
         samples = self.ws.sample_path(cand.card_id)
         future = self.executor.submit(self.cards[cand.card_id], source, samples if samples.exists() else None)
         self.inflight[future] = cand
+        if self.settings.target == "cuda" and getattr(self.proposer, "adaptive", False):
+            if self._ptxas is None:
+                self._ptxas = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ptxas")
+            self._usage[cand.id] = self._ptxas.submit(resources.usage, source, self.settings.arch)
 
     def _take_oldest(self) -> None:
         """Wait for the earliest submitted candidate still in flight and record its verdict (later
@@ -447,6 +708,12 @@ class Search:
         future = next(iter(self.inflight))
         cand = self.inflight.pop(future)
         verdict = future.result()  # an executor failure (not a kernel's) stops the build, resumable
+        usage = self._usage.pop(cand.id, None)
+        if usage is not None and verdict.category not in ("static", "compile"):
+            kernels = usage.result()  # started with the evaluation, done long before it
+            if kernels:
+                diagnostics = {**verdict.diagnostics, "resources": [dataclasses.asdict(k) for k in kernels]}
+                verdict = dataclasses.replace(verdict, diagnostics=diagnostics)
         binary = self._keep_binary(cand, verdict) if verdict.accepted else None
         cand = self.store.record_verdict(cand.id, verdict_row(verdict, self.settings.margin, binary))
         self.evaluated += 1
@@ -524,6 +791,19 @@ class Search:
 
 
 GATE_DROPPED = "the end-to-end gate dropped its kernel"
+
+
+def similar_cards(card: Card, other: Card) -> bool:
+    """Whether a kernel of `other` is worth showing as an example for `card`: the same operator overload
+    (another shape or layout of it); for a fusion card, the same chain of ops.
+
+    >>> from forgepack.cards import Card
+    >>> similar_cards(Card("aten.mul.Tensor", "", (), ()), Card("aten.mul.Tensor", "", (), (), calls=3))
+    True
+    """
+    if card.op != other.op or card.kind != other.kind:
+        return False
+    return card.kind != "fusion" or [e.op for e in card.chain] == [e.op for e in other.chain]
 
 
 def unsearchable(workspace: Workspace, cards: Sequence[Card], proposer: Proposer, target: str) -> dict[str, str | None]:

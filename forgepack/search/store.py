@@ -318,6 +318,10 @@ class Store:
         ).fetchone()
         return int(row[0]), int(row[1]), float(row[2])
 
+    def mean_cost(self, proposer: str) -> float | None:
+        """Mean dollars of `proposer`'s calls (None before the first)."""
+        return self.db.execute("SELECT AVG(cost) FROM calls WHERE proposer = ?", (proposer,)).fetchone()[0]
+
     @staticmethod
     def _get_candidate(db: sqlite3.Connection, candidate_id: int) -> CandidateRecord:
         row = db.execute("SELECT * FROM candidates WHERE id = ?", (candidate_id,)).fetchone()

@@ -15,8 +15,14 @@ or an LLM's rewrite of the parent's source). The root stands for "from scratch" 
   ones included), so the search deepens good kernels instead of only sampling new ones from the root.
   A node none of whose children can be selected is widened anyway, until its proposer runs dry
   (`mark_exhausted`).
-- **Selection**: from the root, widen where allowed, else descend to the child with the best
-  ``Q + C sqrt(ln N / n)``; a subtree with nothing left to expand is skipped (backtracking).
+- **Selection** (``policy="uct"``, the templates proposer's): from the root, widen where allowed, else
+  descend to the child with the best ``Q + C sqrt(ln N / n)``; a subtree with nothing left to expand is
+  skipped (backtracking).
+- **Selection** (``policy="best"``, an LLM's): the parent is drawn from the best working kernels by
+  speed-up, the ``rank``-th of them for the ``rank``-th call on this card still in flight, so a round
+  of k samples refines the best, the second best, ... (AlphaEvolve's parent plus inspirations); the
+  root (a kernel from scratch) joins them while progressive widening allows it another child, and is
+  the only choice while no kernel works (best-of-k first attempts).
 - **Best**: the card's kernel is its first accepted candidate (in proposal order) until a later one is
   faster beyond the noise (`clearly_faster`): two kernels whose speed-ups lie within each other's
   intervals are a tie, and a tie keeps the earlier one, so timing noise does not pick the kernel.
@@ -34,6 +40,8 @@ class TreeConfig:
     c: float = 1.0  # progressive widening: children allowed = ceil(c * visits ** alpha)
     alpha: float = 0.5
     exploration: float = 0.5  # UCT constant, for rewards in [0, 1]
+    policy: str = "uct"  # "uct" | "best" (see the module doc)
+    top: int = 3  # "best": how many of the best working kernels parents are drawn from
 
 
 @dataclass(frozen=True)
@@ -49,6 +57,8 @@ class LineageEntry:
     kernel_us: float | None
     eager_us: float | None
     feedback: str | None
+    resources: str | None = None  # registers and spills per kernel (CUDA), one line
+    parent_id: int | None = None  # the kernel it was made from (None: from scratch)
 
 
 @dataclass
@@ -66,6 +76,7 @@ class Node:
     kernel_us: float | None = None
     eager_us: float | None = None
     feedback: str | None = None
+    resources: str | None = None
     reward: float | None = None
     children: list[Node] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # feedback on calls from here that made no candidate
@@ -148,6 +159,7 @@ class Tree:
         feedback: str | None = None,
         ci_low: float | None = None,
         ci_high: float | None = None,
+        resources: str | None = None,
     ) -> Node:
         """A verdict arrived: set the node's reward and back it up to the root."""
         node = self.nodes[candidate_id]
@@ -158,6 +170,7 @@ class Tree:
         node.accepted, node.category, node.speedup = accepted, category, speedup
         node.ci_low, node.ci_high = ci_low, ci_high
         node.kernel_us, node.eager_us, node.feedback = kernel_us, eager_us, feedback
+        node.resources = resources
         node.reward = normalised_reward(speedup, self.ceiling) if works else None
         walk: Node | None = node
         while walk is not None:
@@ -190,9 +203,22 @@ class Tree:
         explore = math.sqrt(math.log(max(parent.visits, 1)) / max(child.visits, 1))
         return child.q + self.config.exploration * explore
 
-    def select(self) -> Node | None:
-        """The node to propose a child of, or None when nothing in the tree can grow."""
+    def select(self, rank: int = 0) -> Node | None:
+        """The node to propose a child of, or None when nothing in the tree can grow. `rank`: calls on this
+        card already in flight (the "best" policy spreads them over its top kernels)."""
+        if self.config.policy == "best":
+            return self._select_best(rank)
         return self._select(self.root)
+
+    def ranked(self) -> list[Node]:
+        """Working kernels (accepted, or correct and slower), fastest first (ties: the earlier)."""
+        return sorted((n for n in self.nodes.values() if n.state == "ok"), key=lambda n: (-(n.speedup or 0.0), n.id))
+
+    def _select_best(self, rank: int) -> Node | None:
+        options = [n for n in self.ranked() if not n.exhausted][: self.config.top]
+        if not self.root.exhausted and (not options or self.can_widen(self.root)):
+            options.append(self.root)
+        return options[rank % len(options)] if options else None
 
     def _select(self, node: Node) -> Node | None:
         if self.can_widen(node):
@@ -219,10 +245,20 @@ class Tree:
                     kernel_us=node.kernel_us,
                     eager_us=node.eager_us,
                     feedback=node.feedback,
+                    resources=node.resources,
+                    parent_id=node.parent.id if node.parent is not None else None,
                 )
             )
             node = node.parent
         return chain[::-1]
+
+    def evaluated(self, node: Node, limit: int = 8) -> list[LineageEntry]:
+        """The card's evaluated kernels outside `node`'s lineage (its siblings, their subtrees, other
+        branches): what was already tried, working ones fastest first, then the failed ones."""
+        mine = {e.candidate_id for e in self.lineage(node)}
+        done = [n for n in self.nodes.values() if n.state in ("ok", "failed") and n.id not in mine]
+        done.sort(key=lambda n: (n.state != "ok", -(n.speedup or 0.0), n.id))
+        return [self.lineage(n)[-1] for n in done[:limit]]
 
     def feedback(self, node: Node, limit: int = 6) -> list[str]:
         """What went wrong with earlier proposals from `node`: failed children and notes, newest last."""

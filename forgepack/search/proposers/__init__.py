@@ -19,6 +19,12 @@ gathered once by the pipeline and passed in; a proposer ignores what it has no u
 It returns a `Proposal` (``source`` None when the reply held no kernel: the call still counts, and its
 ``feedback`` goes to the next call), or raises `NothingToPropose` when it has nothing new from this
 parent; that costs nothing and marks the node exhausted.
+
+An LLM behind an API is an `Exchanger` as well: the search splits its call into ``request`` (the JSON
+body, built on the search's thread from the card, the parent, the feedback and a `Context` of what
+else the search knows), ``send`` (the network round trip, retried; several run at once) and ``parse``
+(the reply's `Proposal`). The search records every request and reply (`forgepack.search.cassette`),
+replays one offline, and checks ``worst_case_cost(request)`` against ``--max-cost`` before sending.
 """
 
 from __future__ import annotations
@@ -58,6 +64,35 @@ class Proposal:
     model: str | None = None
 
 
+@dataclass(frozen=True)
+class Example:
+    """A kernel the prompt shows for reference: the card's best so far, or one accepted for a similar card."""
+
+    candidate_id: int
+    card_id: str
+    signature: str  # the card's, e.g. `f32[1,32,64], f32[64]`
+    source: str
+    speedup: float | None
+    verdict: str  # "accepted" or the rejecting category
+
+
+@dataclass(frozen=True)
+class Context:
+    """What the search knows beyond the parent's lineage, for an LLM's prompt.
+
+    ``evaluated``: the card's other evaluated kernels, outside the parent's lineage (its siblings and
+    other branches; `forgepack.search.tree.LineageEntry`, fastest first, then the failed): correct but
+    slower ones included, so the model sees what was already tried;
+    ``best``: the card's best kernel, when it is not the parent; ``similar``: accepted kernels of cards
+    of the same operator (other shapes), best first; ``attempt``: calls made from this parent before this
+    one (several are sampled at once: each is asked for a different kernel, and the requests differ)."""
+
+    evaluated: tuple[Any, ...] = ()
+    best: Example | None = None
+    similar: tuple[Example, ...] = ()
+    attempt: int = 0
+
+
 class Proposer(Protocol):
     name: str  # registry name; the budget counts calls per name
     paid: bool  # whether calls cost money (and count against --max-cost)
@@ -80,6 +115,32 @@ class Proposer(Protocol):
         feedback: Sequence[str],
         tried: frozenset[str] = frozenset(),
     ) -> Proposal: ...
+
+
+class Exchanger(Proposer, Protocol):
+    """A proposer that is a remote model: one request and one reply per call (see the module doc)."""
+
+    def request(self, card: Card, parent: Parent | None, lineage: Sequence[Any], feedback: Sequence[str],
+                context: Context | None = None) -> dict:
+        """The JSON body of the call (no key in it: it is recorded)."""
+        ...
+
+    def worst_case_cost(self, request: dict) -> float:
+        """Dollars this request can cost at most (every prompt byte a token, the most output it allows)."""
+        ...
+
+    def send(self, request: dict) -> tuple[dict, int]:
+        """The reply's JSON and the attempts it took; thread-safe (several calls are in flight)."""
+        ...
+
+    def parse(self, request: dict, reply: dict, attempts: int, seconds: float) -> Proposal:
+        """The `Proposal` of a reply (live or replayed)."""
+        ...
+
+
+def exchanges(proposer: Any) -> bool:
+    """Whether `proposer` is an `Exchanger` (its calls are split, run in parallel and recorded)."""
+    return all(callable(getattr(proposer, name, None)) for name in ("request", "send", "parse", "worst_case_cost"))
 
 
 # name -> (module, class): imported only when asked for (the anthropic SDK is optional).

@@ -3,9 +3,13 @@
 Any server that speaks the chat-completions API works: OpenAI itself, or a local model served by
 Ollama, llama.cpp, vLLM or LiteLLM (``--llm-base-url http://127.0.0.1:PORT/v1``). The key comes from
 ``OPENAI_API_KEY``; a server on this host may not need one. The prompt and the reply parsing are the
-ones every LLM proposer shares (`forgepack.search.proposers.prompt`). Rate limits, server errors and
-timeouts are retried with exponential backoff (honouring ``retry-after``). A model the price table does
-not know is priced with ``--llm-price IN,OUT`` (``0,0`` for a local server: free, not ``paid``).
+ones every LLM proposer shares (`forgepack.search.proposers.prompt`); the static block is the system
+message, first, so OpenAI's automatic prefix cache serves it (cached input tokens are recorded in the
+proposal's meta and billed here at the full input price: the recorded cost never undercounts). Rate
+limits, server errors and timeouts are retried with exponential backoff (honouring ``retry-after``). A
+model the price table does not know is priced with ``--llm-price IN,OUT`` (``0,0`` for a local server:
+free, not ``paid``). OpenAI's own API takes the output limit as ``max_completion_tokens`` (its reasoning
+models refuse ``max_tokens``); other servers get ``max_tokens``, which they all read.
 
 No SDK: the standard library's urllib is enough for one JSON POST, and nothing is installed for it.
 """
@@ -23,14 +27,22 @@ from typing import Any
 
 from forgepack.cards import Card
 from forgepack.errors import ForgepackError
-from forgepack.search import prices
-from forgepack.search.proposers import Parent, Proposal
-from forgepack.search.proposers.prompt import RETRY_STATUSES, backoff, build_prompt, reply_proposal, system_prompt
+from forgepack.search import cassette, prices
+from forgepack.search.proposers import Context, Parent, Proposal
+from forgepack.search.proposers.prompt import (
+    RETRY_STATUSES,
+    backoff,
+    build_prompt,
+    reply_proposal,
+    static_prompt,
+    worst_case_cost,
+)
 
 DEFAULT_MODEL = "gpt-5"
 DEFAULT_BASE_URL = "https://api.openai.com/v1"
 KEY_ENV = "OPENAI_API_KEY"
 BASE_URL_ENV = "OPENAI_BASE_URL"
+OPENAI_HOST = "api.openai.com"
 LOCAL_HOSTS = frozenset({"localhost", "127.0.0.1", "::1", "0.0.0.0"})
 CLAUDE_DEFAULT = "claude-sonnet-4-6"  # the recipe's default llm_model, meant for the anthropic proposer
 
@@ -90,7 +102,7 @@ class OpenAIProposer:
         prices.price(model_of(model), price)  # refuse a model we cannot price before spending anything
         url = base_url_of(base_url)
         key = api_key or os.environ.get(KEY_ENV)
-        if not key and not is_local(url):
+        if not key and not is_local(url) and cassette.replay_dir() is None:
             raise ForgepackError(
                 f"{KEY_ENV} is not set for {url}: export {KEY_ENV}=... (a server on this host, "
                 f"--llm-base-url http://127.0.0.1:PORT/v1, needs none; or use --proposer templates)"
@@ -104,46 +116,31 @@ class OpenAIProposer:
     def unsupported(self, card: Card) -> str | None:
         return None  # an LLM can try any operator
 
-    def propose(
-        self,
-        card: Card,
-        parent: Parent | None,
-        lineage: Sequence[Any],
-        feedback: Sequence[str],
-        tried: frozenset[str] = frozenset(),
-    ) -> Proposal:
-        text = build_prompt(card, self.target, parent, lineage, feedback, self.facts)
-        started = time.monotonic()
-        reply, attempts = self._create(text)
-        usage = reply.get("usage") or {}
-        tokens_in, tokens_out = int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0)
-        choice = (reply.get("choices") or [{}])[0]
-        body = (choice.get("message") or {}).get("content") or ""
-        stop = "max_tokens" if choice.get("finish_reason") == "length" else choice.get("finish_reason")
-        return reply_proposal(self, body, stop, tokens=(tokens_in, tokens_out),
-                              cost=prices.cost(self.model, tokens_in, tokens_out, per_mtok=self.price),
-                              started=started, attempts=attempts, served_model=reply.get("model"),
-                              base_url=self.base_url)
+    # --- one call, in three steps (the search runs `send` on its pool and records the exchange) ----
 
-    def _request(self, text: str) -> urllib.request.Request:
-        payload = {
+    def request(self, card: Card, parent: Parent | None, lineage: Sequence[Any], feedback: Sequence[str],
+                context: Context | None = None) -> dict:
+        """The chat-completions body: the static block first, as the system message."""
+        limit = "max_completion_tokens" if urllib.parse.urlparse(self.base_url).hostname == OPENAI_HOST \
+            else "max_tokens"
+        return {
             "model": self.model,
-            "max_tokens": self.max_tokens,
-            "messages": [{"role": "system", "content": system_prompt(self.target)},
-                         {"role": "user", "content": text}],
+            limit: self.max_tokens,
+            "messages": [{"role": "system", "content": static_prompt(self.target)},
+                         {"role": "user", "content": build_prompt(card, self.target, parent, lineage, feedback,
+                                                                  self.facts, context)}],
         }
-        headers = {"content-type": "application/json"}
-        if self.key:
-            headers["authorization"] = f"Bearer {self.key}"
-        return urllib.request.Request(f"{self.base_url}/chat/completions", data=json.dumps(payload).encode(),
-                                      headers=headers, method="POST")
 
-    def _create(self, text: str) -> tuple[dict, int]:
+    def worst_case_cost(self, request: dict) -> float:
+        limit = request.get("max_completion_tokens", request.get("max_tokens", self.max_tokens))
+        return worst_case_cost(self.price, [m["content"] for m in request["messages"]], limit)
+
+    def send(self, request: dict) -> tuple[dict, int]:
         """One chat-completions call, retried on rate limits, server errors and timeouts; (reply, attempts)."""
         last = ""
         for attempt in range(1, self.max_attempts + 1):
             try:
-                with urllib.request.urlopen(self._request(text), timeout=self.timeout_s) as response:
+                with urllib.request.urlopen(self._http_request(request), timeout=self.timeout_s) as response:
                     return json.loads(response.read()), attempt
             except urllib.error.HTTPError as err:
                 detail = _message(err)
@@ -164,6 +161,39 @@ class OpenAIProposer:
         raise ForgepackError(
             f"{self.base_url}: gave up after {self.max_attempts} attempts ({last}); run the same command to resume"
         )
+
+    def parse(self, request: dict, reply: dict, attempts: int, seconds: float) -> Proposal:
+        usage = reply.get("usage") or {}
+        tokens_in, tokens_out = int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0)
+        cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+        choice = (reply.get("choices") or [{}])[0]
+        body = (choice.get("message") or {}).get("content") or ""
+        stop = "max_tokens" if choice.get("finish_reason") == "length" else choice.get("finish_reason")
+        return reply_proposal(self, body, stop, tokens=(tokens_in, tokens_out),
+                              cost=prices.cost(self.model, tokens_in, tokens_out, per_mtok=self.price),
+                              seconds=seconds, attempts=attempts, served_model=reply.get("model"),
+                              base_url=self.base_url, cached_tokens=cached)
+
+    def propose(
+        self,
+        card: Card,
+        parent: Parent | None,
+        lineage: Sequence[Any],
+        feedback: Sequence[str],
+        tried: frozenset[str] = frozenset(),
+        context: Context | None = None,
+    ) -> Proposal:
+        request = self.request(card, parent, lineage, feedback, context)
+        started = time.monotonic()
+        reply, attempts = self.send(request)
+        return self.parse(request, reply, attempts, time.monotonic() - started)
+
+    def _http_request(self, request: dict) -> urllib.request.Request:
+        headers = {"content-type": "application/json"}
+        if self.key:
+            headers["authorization"] = f"Bearer {self.key}"
+        return urllib.request.Request(f"{self.base_url}/chat/completions", data=json.dumps(request).encode(),
+                                      headers=headers, method="POST")
 
     def _backoff(self, attempt: int) -> float:
         return backoff(self.backoff_s, attempt)

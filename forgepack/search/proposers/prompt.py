@@ -1,11 +1,18 @@
 """What every LLM proposer shares: the prompt, the reply parsing and the retry backoff.
 
-The prompt carries everything a kernel engineer would ask for: the operator variant (op, schema,
-inputs in ABI order with dtypes, shapes, strides; scalars; outputs), what the profile measured (eager
-time, roofline, bytes, FLOPs, baseline class and the kernels PyTorch launched), the device, the ABI
-header and its documentation (both package data, so an installed forgepack sends them too), the
-parent's source, the lineage with verdicts and timings, and the feedback on earlier attempts
-(compiler errors, mismatch diagnostics, malformed replies).
+The prompt carries everything a kernel engineer would ask for, the part that never changes first:
+
+- the static block (`static_prompt`, the system prompt): the rules, the ABI header and its
+  documentation (both package data, so an installed forgepack sends them too). It is byte-identical
+  for every call of a target, so a provider's prompt cache serves it (Anthropic: ``cache_control`` on
+  that block; OpenAI caches a repeated prefix by itself);
+- the call's text (`build_prompt`): the operator variant (op, schema, inputs in ABI order with dtypes,
+  shapes, strides; scalars; outputs), the reference program, what the profile measured (eager time,
+  roofline, bytes, FLOPs, baseline class and the kernels PyTorch launched), the device, the parent's
+  source, the lineage with verdicts, timings and (CUDA) register and spill counts, the feedback on
+  earlier attempts (raw compiler logs, mismatch diagnostics, a family member that failed, malformed
+  replies), and the search's `Context`: the card's other evaluated kernels (the parent's siblings
+  among them), its best kernel and accepted kernels of similar cards.
 
 The kernel is taken from the reply's fenced code block that defines ``forgepack_kernel``; a reply
 without one is a call that produced nothing (it counts, its feedback goes into the next prompt).
@@ -48,7 +55,31 @@ three sentences on what you changed and why."""
 
 
 def system_prompt(target: str) -> str:
+    """The rules alone (`static_prompt` is what is sent)."""
     return SYSTEM.format(**_target_words(target))
+
+
+def static_prompt(target: str) -> str:
+    """What every call of `target` sends first and unchanged: the rules, the ABI header, its documentation."""
+    return (system_prompt(target) + "\n\nThe kernel ABI header, forgepack_abi.h:\n```c\n" + abi_header() + "```\n\n"
+            + "The ABI documentation (kernel-abi.md):\n" + abi_doc())
+
+
+# Chat formats wrap each message in a few tokens of their own (role markers, separators).
+MESSAGE_OVERHEAD_TOKENS = 16
+
+
+def worst_case_cost(per_mtok: tuple[float, float], texts: Sequence[str], max_tokens: int,
+                    input_factor: float = 1.0) -> float:
+    """Dollars one call can cost at most: every UTF-8 byte of its texts one input token (a byte-level
+    tokenizer never makes a token of less than one byte), plus each message's framing, times
+    `input_factor` (a prompt-cache write costs more than a plain input token), and `max_tokens` of output.
+
+    >>> round(worst_case_cost((3.0, 15.0), ["x" * 1000], 1000), 6)
+    0.018048
+    """
+    tokens_in = sum(len(t.encode()) + MESSAGE_OVERHEAD_TOKENS for t in texts)
+    return (tokens_in * input_factor * per_mtok[0] + max_tokens * per_mtok[1]) / 1e6
 
 
 def abi_header() -> str:
@@ -70,14 +101,12 @@ def backoff(base_s: float, attempt: int) -> float:
 
 
 def reply_proposal(proposer: Any, body: str, stop: str | None, *, tokens: tuple[int, int], cost: float,
-                   started: float, attempts: int, served_model: str | None, **meta: Any) -> Proposal:
+                   seconds: float, attempts: int, served_model: str | None, **meta: Any) -> Proposal:
     """The Proposal of one LLM reply, whichever API it came from: the source parsed out of `body`, the
-    call's tokens, cost and timing (`started`: time.monotonic() before the call)."""
-    import time
-
+    call's tokens, cost and timing (`seconds`: the round trip, retries included)."""
     source, problem = extract_source(body, stop)
     meta = {"model": served_model or proposer.model, "stop_reason": stop, "attempts": attempts,
-            "seconds": round(time.monotonic() - started, 3), **meta}
+            "seconds": round(seconds, 3), **meta}
     return Proposal(source=source, params={"model": proposer.model}, meta=meta, tokens=tokens, cost=cost,
                     feedback=problem, label=proposer.label, model=proposer.model)
 
@@ -185,7 +214,51 @@ def _verdict_line(entry: Any) -> str:
         timing = f", {entry.speedup:.3f}x vs eager"
     if entry.kernel_us is not None:
         timing += f", {entry.kernel_us:.2f} us"
+    resources = getattr(entry, "resources", None)
+    if resources:
+        timing += f"; {resources}"
     return f"#{entry.candidate_id} ({entry.proposer} {entry.params}): {verdict}{timing}"
+
+
+def _item(text: str) -> str:
+    """A feedback item as a list entry: its first line after the dash, the rest (a raw compiler log,
+    diagnostics) indented under it, line for line."""
+    first, _, rest = text.partition("\n")
+    lines = [f"- {first}"]
+    lines += [f"    {line}" if line else "" for line in rest.splitlines()]
+    return "\n".join(lines)
+
+
+def _code(source: str, target: str) -> str:
+    body = source if source.endswith("\n") else source + "\n"
+    return f"```{_target_words(target)['fence']}\n{body}```"
+
+
+def describe_context(context: Any, target: str) -> list[str]:
+    """The `Context` as prompt sections (none for an empty one)."""
+    if context is None:
+        return []
+    parts = []
+    if context.evaluated:
+        rows = "\n".join(f"{_verdict_line(e)} [from {f'#{e.parent_id}' if e.parent_id else 'scratch'}]"
+                         for e in context.evaluated)
+        parts.append("Other kernels already evaluated for this variant (fastest first, then the failed; do not "
+                     f"repeat them):\n{rows}")
+    if context.best is not None:
+        best = context.best
+        timing = f", {best.speedup:.3f}x vs eager" if best.speedup else ""
+        parts.append(f"The best kernel for this variant so far, candidate #{best.candidate_id} ({best.verdict}"
+                     f"{timing}):\n{_code(best.source, target)}")
+    if context.attempt:
+        others = f"{context.attempt} other attempt{'s' if context.attempt > 1 else ''}"
+        parts.append(f"This is attempt {context.attempt + 1} from this starting point: {others} from it came "
+                     "before this one (some may still be under evaluation). Write a kernel that differs from "
+                     "theirs: another approach, not a copy.")
+    for ex in context.similar:
+        timing = f" at {ex.speedup:.3f}x vs eager" if ex.speedup else ""
+        parts.append(f"An accepted kernel of a similar variant ({ex.card_id}: {ex.signature}), candidate "
+                     f"#{ex.candidate_id}{timing}; its shapes are not this variant's:\n{_code(ex.source, target)}")
+    return parts
 
 
 def build_prompt(
@@ -195,24 +268,24 @@ def build_prompt(
     lineage: Sequence[Any],
     feedback: Sequence[str],
     facts: dict[str, Any] | None = None,
+    context: Any = None,
 ) -> str:
+    """The call's own text (the static block, `static_prompt`, goes before it as the system prompt)."""
     parts = [describe_card(card), describe_reference(card), describe_profile(card)]
     facts = facts or {}
     if facts:
         parts.append("Device: " + ", ".join(f"{k}={v}" for k, v in facts.items()))
     parts.append(f"Target: {target}")
-    parts.append("The kernel ABI header, forgepack_abi.h:\n```c\n" + abi_header() + "```")
-    parts.append("The ABI documentation (kernel-abi.md):\n" + abi_doc())
     if lineage:
         rows = "\n".join(_verdict_line(e) for e in lineage)
         parts.append(f"Lineage of the kernel to improve (oldest first):\n{rows}")
     if parent is not None:
         timing = f" ({parent.speedup:.3f}x vs eager)" if parent.speedup else ""
-        fence = _target_words(target)["fence"]
-        code = f"```{fence}\n{parent.source}```"
+        code = _code(parent.source, target)
         parts.append(f"The kernel to improve, candidate #{parent.candidate_id}{timing}:\n{code}")
+    parts.extend(describe_context(context, target))
     if feedback:
-        items = "\n".join(f"- {f}" for f in feedback)
+        items = "\n".join(_item(f) for f in feedback)
         parts.append(f"What went wrong with earlier attempts from this kernel:\n{items}")
     prof = card.profile
     goal = "Write a correct kernel for this variant that is faster than PyTorch's."
