@@ -1,6 +1,7 @@
 """Shared test setup.
 
-- `gpu` tests are skipped cleanly without a CUDA GPU.
+- `gpu` tests are skipped cleanly without a CUDA GPU; `long` tests get a longer timeout than the
+  900 s of every other test.
 - Every test runs with its own FORGEPACK_HOME and cache directory, and the session fails if a test
   left files behind in the repository.
 """
@@ -16,7 +17,14 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 
 
+# `long` tests take 5-12 minutes on 2 cores: more than the 900 s every other test gets (pyproject.toml)
+LONG_TIMEOUT_S = 1800
+
+
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if "long" in item.keywords and item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(LONG_TIMEOUT_S))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

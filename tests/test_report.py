@@ -6,19 +6,24 @@
 - A real tiny-llama build on the cpu target, benchmarked with `forgepack bench`, reported through the
   CLI and loaded in headless Chromium over the DevTools protocol: no console errors, no network
   request, every section there, every plot decoded; a screenshot is kept in the test's tmp dir.
+- The harness that drives Chromium: a browser that never answers, or exits at once, fails the test in
+  bounded time, saying which, and leaves no process behind.
 """
 
 from __future__ import annotations
 
 import base64
+import contextlib
 import dataclasses
 import datetime as dt
+import fcntl
 import hashlib
 import json
 import os
 import re
 import select
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -294,49 +299,94 @@ def _chromium() -> str | None:
 
 
 class Browser:
-    """Headless Chromium driven over the DevTools protocol on a pipe (fds 3 and 4: no port, no network)."""
+    """Headless Chromium driven over the DevTools protocol on a pipe (fds 3 and 4: no port, no network).
 
-    def __init__(self, binary: str, profile_dir: Path):
+    Every wait has a deadline: a reply, a page load or a write that does not finish in time raises
+    TimeoutError naming what was awaited, with the tail of Chromium's log. `close()` kills Chromium's whole
+    process group and reaps it, whatever state the browser is in, so no test can wait on it for ever.
+    """
+
+    def __init__(self, binary: str, profile_dir: Path, log: Path, timeout: float = 60.0):
+        self.log, self.timeout = log, timeout
+        self._buf, self._id, self.events = b"", 0, []
         to_r, self._to = os.pipe()
         self._from, from_w = os.pipe()
-
-        def plumb() -> None:  # in the child: the pipe ends become fds 3 (commands in) and 4 (replies out)
-            a, b = os.dup(to_r), os.dup(from_w)
-            os.dup2(a, 3)
-            os.dup2(b, 4)
-
-        cmd = [binary, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run",
-               "--disable-background-networking", "--disable-component-update", "--disable-sync", "--hide-scrollbars",
-               "--remote-debugging-pipe", f"--user-data-dir={profile_dir}", "--window-size=1280,1000", "about:blank"]
-        self.proc = subprocess.Popen(cmd, preexec_fn=plumb, close_fds=False, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.DEVNULL)
+        # Chromium reads commands on fd 3 and writes replies on fd 4. posix_spawn puts the pipe ends there,
+        # not a Popen preexec_fn: Python run between fork and exec in a multi-threaded pytest worker (torch's
+        # pools, Ray, at-fork hooks) can deadlock, and Popen waits for that exec with no timeout at all.
+        # The ends are first moved above 4 so that placing one cannot overwrite the other.
+        cmd_r, reply_w = (fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 5) for fd in (to_r, from_w))
         os.close(to_r)
         os.close(from_w)
-        self._buf, self._id, self.events = b"", 0, []
-        target = self.call("Target.createTarget", url="about:blank")["targetId"]
-        self.session = self.call("Target.attachToTarget", targetId=target, flatten=True)["sessionId"]
-        for domain in ("Page", "Runtime", "Log", "Network"):
-            self.call(f"{domain}.enable", session=self.session)
+        args = [binary, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run",
+                "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                "--hide-scrollbars", "--remote-debugging-pipe", f"--user-data-dir={profile_dir}",
+                "--window-size=1280,1000", "about:blank"]
+        try:
+            self.pid = os.posix_spawn(binary, args, dict(os.environ), setsid=True, file_actions=[
+                (os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
+                (os.POSIX_SPAWN_OPEN, 1, str(log), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644),
+                (os.POSIX_SPAWN_DUP2, 1, 2),
+                (os.POSIX_SPAWN_DUP2, cmd_r, 3),
+                (os.POSIX_SPAWN_DUP2, reply_w, 4),
+            ])
+        finally:  # the child has its copies; ours would keep the pipes open after Chromium exits
+            os.close(cmd_r)
+            os.close(reply_w)
+        self._status: int | None = None
+        try:  # Chromium's first start on a fresh machine can be slow (font caches): twice the usual deadline
+            target = self.call("Target.createTarget", page=False, timeout=2 * timeout, url="about:blank")
+            self.session = self.call("Target.attachToTarget", page=False, targetId=target["targetId"],
+                                     flatten=True)["sessionId"]
+            for domain in ("Page", "Runtime", "Log", "Network"):
+                self.call(f"{domain}.enable")
+        except BaseException:
+            self.close()
+            raise
 
-    def _recv(self, timeout: float = 60.0) -> dict:
-        deadline = time.monotonic() + timeout
+    def __enter__(self) -> Browser:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _failed(self, what: str) -> str:
+        tail = self.log.read_text(errors="replace").strip().splitlines()[-5:] if self.log.exists() else []
+        state = "running" if self._reap() is None else f"exited with status {self._status}"
+        return f"chromium {what} (process {state}); its log ends: {tail}"
+
+    def _send(self, data: bytes, deadline: float) -> None:
+        while data:
+            _, ready, _ = select.select([], [self._to], [], max(0.0, deadline - time.monotonic()))
+            if not ready:
+                raise TimeoutError(self._failed("did not read its commands"))
+            try:
+                data = data[os.write(self._to, data[:select.PIPE_BUF]):]
+            except BrokenPipeError:
+                raise EOFError(self._failed("closed the pipe")) from None
+
+    def _recv(self, deadline: float) -> dict:
         while b"\0" not in self._buf:
             ready, _, _ = select.select([self._from], [], [], max(0.0, deadline - time.monotonic()))
             if not ready:
-                raise TimeoutError("chromium did not answer")
+                raise TimeoutError(self._failed("did not answer in time"))
             chunk = os.read(self._from, 1 << 20)
             if not chunk:
-                raise EOFError("chromium closed the pipe")
+                raise EOFError(self._failed("closed the pipe"))
             self._buf += chunk
         msg, self._buf = self._buf.split(b"\0", 1)
         return json.loads(msg)
 
-    def call(self, method: str, session: str | None = None, **params) -> dict:
+    def call(self, method: str, page: bool = True, timeout: float | None = None, **params) -> dict:
+        """One command (to the page, or to the browser with `page=False`) and its reply within `timeout`.
+        Events that arrive meanwhile are kept and count against the same deadline: a stream of events
+        cannot hold the call open."""
+        deadline = time.monotonic() + (timeout or self.timeout)
         self._id += 1
-        msg = {"id": self._id, "method": method, "params": params, **({"sessionId": session} if session else {})}
-        os.write(self._to, json.dumps(msg).encode() + b"\0")
+        msg = {"id": self._id, "method": method, "params": params, **({"sessionId": self.session} if page else {})}
+        self._send(json.dumps(msg).encode() + b"\0", deadline)
         while True:
-            reply = self._recv()
+            reply = self._recv(deadline)
             if reply.get("id") == self._id:
                 if "error" in reply:
                     raise RuntimeError(f"{method}: {reply['error']}")
@@ -344,12 +394,22 @@ class Browser:
             self.events.append(reply)
 
     def load(self, url: str) -> None:
-        self.call("Page.navigate", session=self.session, url=url)
-        while not any(e.get("method") == "Page.loadEventFired" for e in self.events):
-            self.events.append(self._recv())
+        """Navigate and wait, within the deadline, until this document (not the blank page before it) is complete."""
+        deadline = time.monotonic() + self.timeout
+        self.call("Page.navigate", url=url)
+        while self._document() != f"complete {url}":
+            if time.monotonic() > deadline:
+                raise TimeoutError(self._failed(f"did not finish loading {url} in {self.timeout:g} s"))
+            time.sleep(0.1)
+
+    def _document(self) -> str | None:
+        try:
+            return self.evaluate("document.readyState + ' ' + document.URL")
+        except RuntimeError:  # the old document's context went away mid-navigation: ask again
+            return None
 
     def evaluate(self, expression: str):
-        result = self.call("Runtime.evaluate", session=self.session, expression=expression, returnByValue=True)
+        result = self.call("Runtime.evaluate", expression=expression, returnByValue=True)
         assert "exceptionDetails" not in result, result
         return result["result"]["value"]
 
@@ -370,22 +430,79 @@ class Browser:
         return [e["params"]["request"]["url"] for e in self.events if e.get("method") == "Network.requestWillBeSent"]
 
     def screenshot(self, path: Path) -> None:
-        size = self.call("Page.getLayoutMetrics", session=self.session)["cssContentSize"]
+        size = self.call("Page.getLayoutMetrics")["cssContentSize"]
         clip = {"x": 0, "y": 0, "width": 1280, "height": min(int(size["height"]), 16000), "scale": 1}
-        shot = self.call("Page.captureScreenshot", session=self.session, format="png", captureBeyondViewport=True,
-                         clip=clip)
+        shot = self.call("Page.captureScreenshot", timeout=2 * self.timeout, format="png",
+                         captureBeyondViewport=True, clip=clip)
         path.write_bytes(base64.b64decode(shot["data"]))
 
+    def _reap(self) -> int | None:
+        """Chromium's exit status once it has exited (reaped here), None while it runs."""
+        if self._status is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self._status = os.waitstatus_to_exitcode(status)
+        return self._status
+
     def close(self) -> None:
-        try:
-            self.call("Browser.close")
-            self.proc.wait(timeout=10)
-        except (OSError, EOFError, TimeoutError, RuntimeError, subprocess.TimeoutExpired):
-            self.proc.kill()
-            self.proc.wait()
-        finally:
-            os.close(self._to)
-            os.close(self._from)
+        """Browser.close while Chromium still answers (then up to 10 s for its clean exit); then its process
+        group, helpers included, is killed and Chromium reaped."""
+        if self._reap() is None:
+            with contextlib.suppress(OSError, EOFError, TimeoutError, RuntimeError):  # not answering: killed below
+                self.call("Browser.close", page=False, timeout=min(10.0, self.timeout))
+                deadline = time.monotonic() + 10
+                while self._reap() is None and time.monotonic() < deadline:
+                    time.sleep(0.05)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.pid, signal.SIGKILL)
+        if self._status is None:
+            self._status = os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1])
+        for fd in (self._to, self._from):
+            if fd >= 0:
+                os.close(fd)
+        self._to = self._from = -1
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie left for init to reap counts as gone)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _gone_within(pid: int, seconds: float) -> bool:
+    """A SIGKILL takes effect when the process is next scheduled: on a busy host, not at once."""
+    deadline = time.monotonic() + seconds
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not _alive(pid)
+
+
+def test_a_browser_that_never_answers_fails_in_bounded_time_and_leaves_no_process(tmp_path):
+    # a stand-in that starts a helper and then never reads its commands nor writes a reply, as a
+    # Chromium stuck at start-up would: the handshake's deadline ends it, and its whole group is killed
+    fake = tmp_path / "stuck-browser"
+    fake.write_text(f"#!/bin/sh\necho stuck >&2\nsleep 600 &\necho $! > {tmp_path}/helper\n"
+                    f"echo $$ > {tmp_path}/main\nexec sleep 600\n")
+    fake.chmod(0o755)
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match="did not answer in time") as err:
+        Browser(str(fake), tmp_path / "profile", log=tmp_path / "fake.log", timeout=2.0)
+    assert time.monotonic() - started < 30  # 4 s for the handshake, 2 s for Browser.close, then the kill
+    assert "running" in str(err.value) and "stuck" in str(err.value)  # the state and the log's tail
+    for name in ("main", "helper"):
+        assert _gone_within(int((tmp_path / name).read_text()), 10), name
+
+
+def test_a_browser_that_exits_at_once_is_named_not_waited_on(tmp_path):
+    fake = tmp_path / "crashing-browser"
+    fake.write_text("#!/bin/sh\necho 'cannot open display' >&2\nexit 3\n")
+    fake.chmod(0o755)
+    started = time.monotonic()
+    with pytest.raises(EOFError, match=r"closed the pipe.*cannot open display"):
+        Browser(str(fake), tmp_path / "profile", log=tmp_path / "fake.log", timeout=60.0)
+    assert time.monotonic() - started < 30  # the closed pipe ends the wait, not the 120 s deadline
 
 
 PAGE_FACTS = """JSON.stringify({
@@ -417,15 +534,12 @@ def test_report_of_a_real_tiny_llama_build_in_headless_chromium(tmp_path):
         (ws / report.BENCH).write_text(bench.stdout)
     done = _cli("report", str(ws), "--out", str(tmp_path / "report.html"), cwd=tmp_path)
     assert done.returncode == 0, done.stderr
-    browser = Browser(binary, tmp_path / "chromium-profile")
-    try:
+    shot = tmp_path / "report.png"
+    with Browser(binary, tmp_path / "chromium-profile", log=tmp_path / "chromium.log") as browser:
         browser.load((tmp_path / "report.html").as_uri())
         facts = json.loads(browser.evaluate(PAGE_FACTS))
-        shot = tmp_path / "report.png"
         browser.screenshot(shot)
         errors, requests = browser.errors(), browser.requests()
-    finally:
-        browser.close()
     print(f"report screenshot: {shot}")
     assert errors == []
     assert [r for r in requests if not r.startswith(("file:", "data:"))] == []  # nothing from the network

@@ -1,11 +1,12 @@
 """Warm per-module timings: each module class a pack patches, called alone, stock against each pack.
 
-A build times a kernel in isolation, cold (`forgepack.timing` flushes the caches before each call). In a
-running model the module's stock ops are warm, so a fused site can win cold and lose warm. This tool
-takes the first instance of each module class the packs' sites patch, records the arguments it gets in
-one forward of the base recipe, and calls it alone: `--calls` calls a round, stock and each pack in
-turn, the best of `--rounds` rounds (per call, microseconds). A pack's column counts only where its
-site served every call it timed (the hits `stats()` counted); otherwise it says so.
+A build times a kernel in isolation: the kernel against the stock chain it replaces, warm on the CPU
+(`forgepack.timing`). In a running model the call also goes through the module's patched forward (its
+Python guard, the children before and after the chain), so a kernel that wins alone can still lose in
+the model. This tool takes the first instance of each module class the packs' sites patch, records the
+arguments it gets in one forward of the base recipe, and calls it alone: `--calls` calls a round, stock
+and each pack in turn, the best of `--rounds` rounds (per call, microseconds). A pack's column counts
+only where its site served every call it timed (the hits `stats()` counted); otherwise it says so.
 
     python tools/bench_modules.py --base benchmarks/2026-12-05-cpu-parity/tq-exact.toml \\
         --pack packs/forgepack_pack_tq_envelope-*.whl --exact packs/forgepack_pack_tq_exact-*.whl
