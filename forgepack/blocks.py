@@ -245,37 +245,63 @@ def _prologue(g: _Graph, x: int, group: set[int], owned: set[int]) -> list[int]:
 
 
 def _epilogue(g: _Graph, ys: list[int], group: set[int], owned: set[int], first: int) -> list[int]:
-    """The calls that consume the group's results: grown forwards through a value only when every reader
-    of it can join (elementwise, views, cats, a cache write), each reader's other inputs made before the
-    group or inside the block."""
+    """The calls that consume the group's results, in program order: each call that reads a value of the
+    block joins when it can (elementwise, views, cats, a reduction, a cache write) and its other inputs
+    exist apart from the block (made before it, beside it, or external). A reduction past the residual
+    add is the next block's norm, never this one's. Then calls that only recompute from the block's own
+    outputs for readers outside (the next norm's square) are given back."""
     inside: set[int] = set()
     internal = set(ys)
-    frontier = list(ys)
     before = {v for v, p in g.producer.items() if p < first}
     downstream = _downstream(g, set(ys), first)
-    while frontier:
-        v = frontier.pop(0)
-        readers = [r for r in g.readers.get(v, ()) if r not in inside and r not in group]
-        if not readers:
+    residual: set[int] = set()  # values past the residual add
+    for r in range(first, len(g.steps)):
+        if r in group or r in inside:
             continue
-        ok = True
-        for r in readers:
-            if not _joinable(g, r, owned, internal, before, downstream):
-                ok = False
+        reads = g.steps[r].reads
+        if not any(u in internal for u in reads) or not _joinable(g, r, owned, internal, before, downstream):
+            continue
+        if g.name(r) in REDUCTIONS and any(u in residual for u in reads):
+            continue
+        inside.add(r)
+        past = any(u in residual for u in reads) or (
+            g.name(r) in ("aten::add", "aten::sub") and any(u not in internal for u in reads))
+        for o in g.steps[r].outs:
+            if o in g.program.made:
+                internal.add(o)
+                if past:
+                    residual.add(o)
+        for u in reads:  # what only it reads, made from externals (cos unsqueezed, Gemma's 1 + w), joins too
+            inside.update(_feeders(g, u, inside | group, VIEWS, owned))
+            p = g.made_by(u)
+            if (p is not None and p not in owned and p not in inside and g.name(p) in POINTWISE
+                    and all(g.external(w) for w in g.steps[p].reads)
+                    and set(g.readers.get(u, ())) <= inside | group):
+                inside.add(p)
+    return sorted(_given_back(g, inside, group))
+
+
+def _given_back(g: _Graph, inside: set[int], group: set[int]) -> set[int]:
+    """`inside` less the calls whose results only outside calls read and whose block inputs the block
+    hands out anyway: they add an output and save nothing."""
+    inside = set(inside)
+    block = inside | group
+    while True:
+        dropped = None
+        for r in sorted(inside, reverse=True):
+            node = g.steps[r]
+            if g.name(r) in CACHE_WRITES or g.name(r) in VIEWS:
+                continue
+            if any(rd in block for o in node.outs for rd in g.readers.get(o, ())):
+                continue  # the block reads what it makes
+            made = [u for u in node.reads if g.producer.get(u) in block]
+            if made and all(any(rd not in block for rd in g.readers.get(u, ())) for u in made):
+                dropped = r
                 break
-        if not ok:
-            continue
-        for r in readers:
-            inside.add(r)
-            for o in g.steps[r].outs:
-                if o not in internal and o in g.program.made:
-                    internal.add(o)
-                    frontier.append(o)
-        # a view of an external the new calls read (cos and sin unsqueezed) joins with them
-        for r in readers:
-            for u in g.steps[r].reads:
-                inside.update(_feeders(g, u, inside | group, VIEWS, owned))
-    return sorted(inside)
+        if dropped is None:
+            return inside
+        inside.discard(dropped)
+        block.discard(dropped)
 
 
 def _downstream(g: _Graph, values: set[int], start: int) -> set[int]:
@@ -290,7 +316,7 @@ def _downstream(g: _Graph, values: set[int], start: int) -> set[int]:
 def _joinable(g: _Graph, r: int, owned: set[int], internal: set[int], before: set[int], downstream: set[int]
               ) -> bool:
     name = g.name(r)
-    if r in owned or name not in POINTWISE | VIEWS | CATS | CACHE_WRITES:
+    if r in owned or name not in POINTWISE | VIEWS | CATS | CACHE_WRITES | REDUCTIONS:
         return False
     node = g.steps[r]
     if name in CACHE_WRITES and not g.external(node.args[0].id):

@@ -134,17 +134,38 @@ def test_the_five_blocks_are_found_from_dataflow_alone(arch):
 
 
 def test_a_step_whose_shape_matches_no_block_says_why():
-    """Gemma-2 normalises a projection's output before the residual add, which no block serves: those
-    projections keep their stock kernels, and the reason is given (its QKV and MLP blocks still match)."""
+    """An MLP whose activation is none of the gated ones (ReLU): its group matches no block, keeps its
+    stock kernels, and the reason is given; the rest of the layer still makes its blocks."""
+    import transformers
+
+    config = transformers.AutoConfig.for_model("llama", **COMMON, hidden_act="relu")
+    torch.manual_seed(0)
+    program = program_of(transformers.LlamaForCausalLM(config).eval())
+    found, skipped = blocks.find(program)
+    kinds = [b.kind for b in found]
+    assert kinds.count("qkv") == 2 and kinds.count("attention") == 2 and "gate_up" not in kinds
+    assert len(skipped) == 2 and all("matches no decode block" in s.reason for s in skipped), skipped
+
+
+def test_gemmas_norm_before_the_residual_add_stays_inside_its_block():
+    """Gemma-2 normalises each projection's output before the residual add (a reduction over the row
+    in the epilogue) and computes `1 + w` for every norm: both ride in the blocks; the next layer's norm
+    stays the next block's."""
     import transformers
 
     config = transformers.AutoConfig.for_model("gemma2", **COMMON, layer_types=["full_attention"] * 2)
     torch.manual_seed(0)
     program = program_of(transformers.Gemma2ForCausalLM(config).eval())
-    found, skipped = blocks.find(program)
-    assert [b.kind for b in found].count("qkv") == 2 and [b.kind for b in found].count("gate_up") == 2
-    assert skipped and all(s.reason for s in skipped)
-    assert any("matches no decode block" in s.reason for s in skipped), skipped
+    found, _ = blocks.find(program)
+    kinds = [b.kind for b in found]
+    assert kinds.count("proj_add") == 4 and kinds.count("qkv") == 2 and kinds.count("lm_head") == 1, kinds
+    o_proj = next(b for b in found if b.kind == "proj_add")
+    assert sum(program.steps[i].name == "aten::mean" for i in o_proj.nodes) == 1
+    cards = {c.fusion.pattern: c for c in cards_of(program)}
+    card = cards["proj_add"]
+    t = templates_for(card, "cpu")[0]
+    verdict = evaluate.evaluate(card, t.render(card, "cpu", t.default(card, "cpu")), target="cpu", bench=False)
+    assert verdict.category is None, verdict.reason
 
 
 def test_blocks_put_back_by_the_matcher_give_eagers_tokens_and_logits():
