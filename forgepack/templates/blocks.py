@@ -93,6 +93,9 @@ class GemvPlan:
     reduction: int  # the prologue's reduction entry (-1: none)
     x_ref: tuple  # the products' input as the chain holds it ([rows, 1, k] or [rows, k])
     sinks: tuple[Sink, ...]
+    # the epilogue's reduction over each row of the products (-1: none); it needs the whole row in one
+    # tile, which the CPU render has and the CUDA render's column-split grid does not
+    epi_reduction: int = -1
 
 
 def _plain(ref: Any) -> tuple:
@@ -161,7 +164,22 @@ def gemv_plan(card: Card) -> GemvPlan:
     if width % unit:
         raise Refused(f"a part of {width} columns is no multiple of the head size {unit}")
     sinks = tuple(_sinks(card, chain, lins, width))
-    return GemvPlan(rows, k, wdtype, xmeta.dtype, tuple(lins), parts, width, unit, prologue, reduction, x_ref, sinks)
+    epi = _epilogue_reduction(card, chain, prologue, parts, width)
+    return GemvPlan(rows, k, wdtype, xmeta.dtype, tuple(lins), parts, width, unit, prologue, reduction, x_ref, sinks,
+                    epi)
+
+
+def _epilogue_reduction(card: Card, chain: list[Entry], prologue: tuple[int, ...], parts: int, width: int) -> int:
+    """The epilogue's one reduction over a row of the products (a norm after the projection), or -1."""
+    found = [e for e in chain if e.op in ("mean", "sum") and e.index not in prologue]
+    if not found:
+        return -1
+    if len(found) > 1 or parts != 1:
+        raise Refused("an epilogue with more than one reduction, or one over gated halves")
+    _check_reduction(card, found[0])
+    if meta_of(card, chain, _source(found[0])).shape[-1] != width:
+        raise Refused("an epilogue reduction over other than the products' row")
+    return found[0].index
 
 
 def _product_input(chain: list[Entry], e: Entry) -> tuple:
@@ -334,15 +352,19 @@ class _BlockEmitter(_Emitter):
             return name, self.chain[ref[1]].outs[0].dtype
         if ref[0] == "t" and ref[1] == self.plan.reduction:
             return "red", self.chain[ref[1]].outs[0].dtype
+        if ref[0] == "t" and ref[1] == self.plan.epi_reduction:
+            return "ered", self.chain[ref[1]].outs[0].dtype
         if ref[0] == "t" and self.chain[ref[1]].op in _SPLITS:
             src, sub = _split_index(self.chain[ref[1]], ref[2], idx, lambda i, n: f"({i} + {n})")
             return self.value(src, sub, out, memo)
         return super().value(ref, idx, out, memo)
 
 
-def _reduction_term(card: Card, chain: list[Entry], target: str, plan: GemvPlan) -> tuple[list[str], str]:
-    """Statements and the float expression of the reduction's operand at row `b`, element `k`."""
-    e = chain[plan.reduction]
+def _reduction_term(card: Card, chain: list[Entry], target: str, plan: GemvPlan,
+                    at: int | None = None) -> tuple[list[str], str]:
+    """Statements and the float expression of the reduction's operand at row `b`, element `k` (the
+    prologue's, or the one at chain entry `at`)."""
+    e = chain[plan.reduction if at is None else at]
     src = _source(e)
     shape = meta_of(card, chain, src).shape
     idx = ["b"] + ["0"] * (len(shape) - 2) + ["k"]
@@ -360,9 +382,25 @@ def _x_value(card: Card, chain: list[Entry], target: str, plan: GemvPlan) -> tup
     return stmts, value
 
 
-def _mean_scale(card: Card, chain: list[Entry], plan: GemvPlan) -> str:
-    e = chain[plan.reduction]
-    return f" / {flit(float(plan.k))}" if e.op == "mean" else ""
+def _mean_scale(card: Card, chain: list[Entry], plan: GemvPlan, at: int | None = None) -> str:
+    e = chain[plan.reduction if at is None else at]
+    n = meta_of(card, chain, _source(e)).shape[-1]
+    return f" / {flit(float(n))}" if e.op == "mean" else ""
+
+
+def _epilogue_stage(card: Card, chain: list[Entry], plan: GemvPlan) -> str:
+    """CPU: `ered`, the epilogue's reduction over the row's products (the tile is the whole row)."""
+    if plan.epi_reduction < 0:
+        return "      const float ered = 0.0f;"
+    stmts, value = _reduction_term(card, chain, "cpu", plan, plan.epi_reduction)
+    dtype = chain[plan.epi_reduction].outs[0].dtype
+    scale = _mean_scale(card, chain, plan, plan.epi_reduction)
+    return f"""      float eacc = 0.0f;
+      for (int64_t k = 0; k < {plan.width}; ++k) {{
+        {' '.join(stmts)}
+        eacc += {value};
+      }}
+      const float ered = fp_round_{dtype}(eacc{scale});"""
 
 
 def _sink_body(card: Card, chain: list[Entry], target: str, plan: GemvPlan, s: Sink, j: int) -> str:
@@ -396,7 +434,7 @@ def _sink_body(card: Card, chain: list[Entry], target: str, plan: GemvPlan, s: S
         ct = ctype(cache.dtype, target)
         lines.append(f"if (slot_ >= 0 && slot_ < p.n{c}[{dim}]) (({ct}*)p.in{c})[{store}] = fp_st<{ct}>({value});")
     body = "\n  ".join(lines)
-    head = f"FP_FN void fp_sink{j}(const fp_args& p, const float* ys, int64_t b, int64_t f, int64_t lo)"
+    head = f"FP_FN void fp_sink{j}(const fp_args& p, const float* ys, int64_t b, int64_t f, int64_t lo, float ered)"
     return f"\n{head} {{\n  {body}\n}}\n"
 
 
@@ -496,7 +534,7 @@ def _render_cpu(card: Card, plan: GemvPlan, tc: int) -> str:
     epilogue = []
     for j, s in enumerate(plan.sinks):
         epilogue.append(f"""        {{ const int64_t f = lo + q - {s.off};
-          if (pt == {s.part} && f >= 0 && f < {s.per_row}) fp_sink{j}(p, ys, b, f, lo); }}""")
+          if (pt == {s.part} && f >= 0 && f < {s.per_row}) fp_sink{j}(p, ys, b, f, lo, ered); }}""")
     code = prelude("cpu") + struct + _weight_fn(card, plan, "cpu") + _y_reader_cpu(plan, tc) + sinks
     body = "\n  ".join(["fp_args p;", *inits]) + f"""
   for (int64_t b = 0; b < {plan.rows}; ++b) {{
@@ -514,6 +552,8 @@ def _render_cpu(card: Card, plan: GemvPlan, tc: int) -> str:
           for (int64_t k = 0; k < {plan.k}; ++k) acc += xs[k] * fp_ld(w[k]);
           ys[pt * {tc} + q] = fp_round_mm(acc + bias, col);
         }}
+{_epilogue_stage(card, chain, plan)}
+      (void)ered;
       for (int64_t pt = 0; pt < {plan.parts}; ++pt)
         for (int64_t q = 0; q < {tc}; ++q) {{
 {chr(10).join(epilogue)}
@@ -578,7 +618,7 @@ def _render_cuda(card: Card, plan: GemvPlan, params: dict) -> str:
     epilogue = []
     for j, s in enumerate(plan.sinks):
         epilogue.append(f"""    {{ const int64_t f = lo + q - {s.off};
-      if ({s.part} == part && f >= 0 && f < {s.per_row}) fp_sink{j}(p, ys, b, f, lo); }}""")
+      if ({s.part} == part && f >= 0 && f < {s.per_row}) fp_sink{j}(p, ys, b, f, lo, 0.0f); }}""")
     step = 32 * vec * unroll
     kernel = f"""
 {unpack}
@@ -755,7 +795,9 @@ class GemvBlockTemplate(_BlockTemplate):
     def axes(self, plan: GemvPlan, target: str) -> dict[str, list]:
         tiles = _tiles(plan)
         if target == "cpu":
-            return {"tile": tiles}
+            return {"tile": [plan.width] if plan.epi_reduction >= 0 else tiles}
+        if plan.epi_reduction >= 0:
+            return {}
         vec = 16 // {"float32": 4, "float16": 2, "bfloat16": 2}[plan.wdtype]
         if plan.k % vec:
             return {}
@@ -781,7 +823,7 @@ class GemvBlockTemplate(_BlockTemplate):
     def supports(self, card: Card, target: str, arch: str | None = None) -> str | None:
         reason = super().supports(card, target, arch)
         if reason is None and target == "cuda" and not self._cuda_axes(card):
-            return "K is no multiple of a 16-byte chunk"
+            return "a norm over the products' row (one tile per row) or K no multiple of a 16-byte chunk"
         return reason
 
     def _cuda_axes(self, card: Card) -> dict:
