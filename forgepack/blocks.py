@@ -59,6 +59,10 @@ VIEWS = frozenset({"aten::view", "aten::_unsafe_view", "aten::reshape", "aten::u
                    "aten::alias", "aten::detach", "aten::_reshape_alias", "aten::lift_fresh", "aten::split",
                    "aten::split_with_sizes", "aten::chunk", "aten::unbind"})
 CATS = frozenset({"aten::cat"})
+# The eager attention (`softmax(score(q @ kᵀ)) @ v`, as models with soft-capping run it): the softmax is
+# its anchor, the score maths between the first product and the softmax pointwise calls.
+SOFTMAX_OPS = frozenset({"aten::_softmax", "aten::softmax"})
+BMM = "aten::bmm"
 CACHE_WRITES = frozenset({"aten::index_copy_"})
 REPEATS = VIEWS | {"aten::clone", "aten::contiguous"}  # `repeat_kv`: unsqueeze, expand, a copy, reshape
 MASK_OPS = frozenset({"aten::where", "aten::scalar_tensor", "aten::logical_not", "aten::masked_fill",
@@ -200,6 +204,69 @@ def _attention_nodes(g: _Graph, i: int, owned: set[int]) -> tuple[list[int], int
     return sorted(set(nodes)), out
 
 
+def _eager_attention_nodes(g: _Graph, i: int, owned: set[int]) -> tuple[list[int], int] | None:
+    """An eager attention around the softmax at call `i`: the product of the queries with the keys
+    (`bmm`), the score maths after it (scale, soft-capping, the additive mask), the softmax, the product
+    with the values and the views after it; the queries' views and the cache's `repeat_kv` only it reads.
+    None when the softmax is not between two such products."""
+    score, first = _score_calls(g, g.steps[i].reads[0], owned)
+    if first is None:
+        return None
+    nodes = [first, *score, i]
+    out = g.steps[i].outs[0]
+    while True:  # the probabilities' cast and views, up to the second product
+        readers = [r for r in g.readers.get(out, []) if r not in owned]
+        if len(readers) != 1 or len(g.readers.get(out, [])) != 1:
+            return None
+        r = readers[0]
+        nodes.append(r)
+        if g.name(r) == BMM:
+            break
+        if g.name(r) not in VIEWS | {"aten::_to_copy", "aten::to"}:
+            return None
+        out = g.steps[r].outs[0]
+    second = nodes[-1]
+    if g.steps[second].reads[0] != out:
+        return None
+    out = g.steps[second].outs[0]
+    while True:  # the output's views up to the layout the next linear reads
+        readers = g.readers.get(out, [])
+        if len(readers) != 1 or g.name(readers[0]) not in VIEWS | {"aten::clone", "aten::contiguous"} \
+                or readers[0] in owned:
+            break
+        nodes.append(readers[0])
+        out = g.steps[readers[0]].outs[0]
+    q, k = g.steps[first].reads[:2]
+    v = g.steps[second].reads[1]
+    nodes += _feeders(g, q, set(nodes), VIEWS, owned)
+    for kv in (k, v):  # the cache repeated for every query head: read in place instead
+        nodes += _feeders(g, kv, set(nodes), REPEATS, owned)
+    return sorted(set(nodes)), out
+
+
+def _score_calls(g: _Graph, v: int, owned: set[int]) -> tuple[list[int], int | None]:
+    """The pointwise calls that make the softmax's input from one `bmm` (and externals: the mask), and
+    that `bmm`; or no `bmm` when the input is made otherwise."""
+    calls, first, todo = [], None, [v]
+    while todo:
+        u = todo.pop()
+        p = g.made_by(u)
+        if p is None or p in calls or p == first:
+            continue
+        if g.name(p) == BMM and p not in owned:
+            if first not in (None, p):
+                return [], None
+            first = p
+            continue
+        if p in owned or g.name(p) not in POINTWISE | VIEWS:
+            if g.meta(u).dim() == 4 and g.meta(u).is_floating_point():
+                continue  # an external operand: the additive mask
+            return [], None
+        calls.append(p)
+        todo.extend(g.steps[p].reads)
+    return sorted(calls), first
+
+
 def _feeders(g: _Graph, v: int, inside: set[int], allowed: frozenset, owned: set[int]) -> list[int]:
     """The calls that made `v` from externals, when only `inside` reads what they make."""
     found: list[int] = []
@@ -339,11 +406,14 @@ def find(program: Program) -> tuple[list[Block], list[Skipped]]:
     owned: set[int] = {i for lin in linears for i in lin.nodes}
     attentions = []
     for i, node in enumerate(g.steps):
+        found = None
         if node.name in ATTENTION_OPS:
             found = _attention_nodes(g, i, owned)
-            if found is not None:
-                attentions.append(found)
-                owned.update(found[0])
+        elif node.name in SOFTMAX_OPS:
+            found = _eager_attention_nodes(g, i, owned)
+        if found is not None:
+            attentions.append(found)
+            owned.update(found[0])
     groups: dict[int, list[Linear]] = {}
     for lin in linears:
         groups.setdefault(lin.x, []).append(lin)
@@ -453,8 +523,9 @@ def _attention_block(g: _Graph, nodes: list[int], out: int, claimed: set[int]) -
     block = _as_block(g, "attention", nodes)
     if isinstance(block, str):
         return block
-    sdpa = g.steps[nodes[0]] if g.name(nodes[0]) in ATTENTION_OPS else next(
-        g.steps[i] for i in nodes if g.name(i) in ATTENTION_OPS)
+    if not any(g.name(i) in ATTENTION_OPS for i in nodes):
+        return _eager_attention_block(g, nodes, block)
+    sdpa = next(g.steps[i] for i in nodes if g.name(i) in ATTENTION_OPS)
     q, k, v = (a.id for a in sdpa.args[:3])
     params = {"scale": sdpa.kwargs.get("scale"), "q_shape": list(g.meta(q).shape), "k_shape": list(g.meta(k).shape),
               "finite": True}
@@ -464,6 +535,36 @@ def _attention_block(g: _Graph, nodes: list[int], out: int, claimed: set[int]) -
         params["masked_reads"] = {"mask": block.inputs.index(mask), "inputs": [block.inputs.index(k),
                                                                                block.inputs.index(v)], "axis": 2}
     return dataclasses.replace(block, params=params)
+
+
+def _eager_attention_block(g: _Graph, nodes: list[int], block: Block) -> Block | str:
+    """Params of an eager attention: the cache inputs its products read, and the additive mask (a 4-D
+    floating input of the score maths), whose lowest value excludes a slot."""
+    first, second = (i for i in nodes if g.name(i) == BMM)
+    caches = [_cache_input(g, g.steps[first].reads[1], block), _cache_input(g, g.steps[second].reads[1], block)]
+    if None in caches:
+        return "the attention's keys or values are not the cache"
+    q = g.steps[first].reads[0]
+    params: dict[str, Any] = {"scale": None, "q_shape": list(g.meta(q).shape),
+                              "k_shape": list(g.meta(caches[0]).shape), "finite": True, "eager": True}
+    masks = [v for v in block.inputs if g.meta(v).dim() == 4 and g.meta(v).is_floating_point() and v not in caches
+             and any(g.name(r) in POINTWISE for r in g.readers.get(v, ()) if r in nodes)]
+    if len(masks) > 1:
+        return "more than one additive mask"
+    if masks:
+        params["masked_reads"] = {"mask": block.inputs.index(masks[0]),
+                                  "inputs": [block.inputs.index(c) for c in caches], "axis": 2, "dead": "lowest"}
+    return dataclasses.replace(block, params=params)
+
+
+def _cache_input(g: _Graph, v: int, block: Block) -> int | None:
+    """The block input a product's keys or values come from, through `repeat_kv` and views."""
+    while v not in block.inputs:
+        p = g.made_by(v)
+        if p is None or g.name(p) not in REPEATS:
+            return None
+        v = g.steps[p].reads[0]
+    return v if g.meta(v).dim() == 4 else None
 
 
 def _mask_input(g: _Graph, sdpa: Call, block: Block) -> int | None:

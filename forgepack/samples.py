@@ -270,19 +270,58 @@ def load_samples(card: Card, path: Path, device: str | torch.device) -> list[tup
     return sets
 
 
-def finite_where_masked(card: Card, tensors: list) -> list:
-    """Inputs a decode block reads only where its mask admits (`block["masked_reads"]`: the attention's
-    cache, read up to its live length) with the excluded slots made finite. The kernel never reads them,
-    and stock reads them only to multiply by zero: equal on every state a served cache can be in (a
-    request starts from a zeroed cache; every slot a step reads was written by an earlier step), unequal
-    only for a NaN or inf in a slot no step reaches."""
+def dead_slots(mask: torch.Tensor, dead: str = "-inf") -> torch.Tensor:
+    """Where an attention mask excludes a slot: a boolean mask's false; an additive mask's -inf, or (`dead`
+    "lowest", transformers' eager masks) any value at or below its dtype's lowest finite one."""
+    if mask.dtype == torch.bool:
+        return mask.logical_not()
+    if dead == "lowest":
+        return mask <= torch.finfo(mask.dtype).min
+    return mask == float("-inf")
+
+
+# An additive mask holds moderate biases (0 where nothing is added) and its excluding value; anything
+# beyond this magnitude is a draw's, not a model's: below it becomes the excluding value, above it (and
+# NaN) 0.
+_MASK_BIAS_LIMIT = 65504.0
+
+
+def _served_additive(mask: torch.Tensor, dead: str) -> torch.Tensor:
+    low = torch.finfo(mask.dtype).min if dead == "lowest" else float("-inf")
+    sentinel = (mask == low) | (mask == float("-inf")) if dead == "lowest" else mask == low
+    excluded = (mask < -_MASK_BIAS_LIMIT) & ~sentinel
+    wild = (mask > _MASK_BIAS_LIMIT) | mask.isnan()
+    if not bool(excluded.any() or wild.any()):
+        return mask
+    mask = mask.clone()
+    mask[excluded] = low
+    mask[wild] = 0.0
+    return mask
+
+
+def as_served(card: Card, tensors: list) -> list:
+    """A decode block's inputs in the states a served step can give them (`block["masked_reads"]`: the
+    attention's mask and the cache it guards). Every query keeps one slot its mask admits (a served step
+    always has its own; a draw that excludes them all gets its last slot admitted), an additive mask holds
+    moderate biases and its excluding value (`_served_additive`), and the cache's
+    excluded slots are made finite: the kernel never reads them, and stock reads them only to multiply
+    by zero, equal on every state a served cache can be in (a request starts from a zeroed cache; every
+    slot a step reads was written by an earlier step), unequal only for a NaN or inf in a slot no step
+    reaches."""
     block = card.fusion.block if card.fusion is not None else {}
     rule = block.get("masked_reads")
     if not rule or tensors[rule["mask"]] is None:
         return tensors
-    mask = tensors[rule["mask"]]
-    dead = mask.logical_not() if mask.dtype == torch.bool else mask == float("-inf")
     out = list(tensors)
+    mask = out[rule["mask"]]
+    if mask.is_floating_point():
+        mask = _served_additive(mask, rule.get("dead", "-inf"))
+    dead = dead_slots(mask, rule.get("dead", "-inf"))
+    if dead.dim() >= 1 and mask.numel() and bool(dead.all(dim=-1).any()):
+        mask = mask.clone()
+        mask[..., -1][dead.all(dim=-1)] = True if mask.dtype == torch.bool else 0.0
+        dead = dead_slots(mask, rule.get("dead", "-inf"))
+    out[rule["mask"]] = mask
     for i in rule["inputs"]:
         t = out[i]
         if t is None or not t.is_floating_point():

@@ -589,7 +589,7 @@ class Harness:
 
     def prepare(self, label: str, tensors: list[torch.Tensor | None]) -> InputSet:
         metas = self.card.tensor_inputs()
-        tensors = samples_mod.finite_where_masked(self.card, tensors)
+        tensors = samples_mod.as_served(self.card, tensors)
         placed = [None if m is None or t is None else placed_input(m, t, self.device, self.guard_byte)
                   for m, t in zip(metas, tensors, strict=True)]
         snapshot = [None if g is None else _bits_of(g.buf).clone() for g in placed]
@@ -604,7 +604,11 @@ class Harness:
                 raise StockOpError(f"{STOCK_DIFFERS} {samples_mod.meta_of(r).signature()} as output {j}, "
                                      f"the card says {m.signature()}")
         # kept alive, and cloned so a kernel writing into the op's own result memory changes nothing
-        return InputSet(label, placed, snapshot, [r.clone() for r in ref])
+        # a mask's excluding values (-inf, the dtype's lowest) say which slots count, not how large the
+        # outputs may be: the tolerance's scale leaves them out
+        rule = (self.card.fusion.block if self.card.fusion is not None else {}).get("masked_reads") or {}
+        scale = judge.input_scale(g.view for k, g in enumerate(placed) if g is not None and k != rule.get("mask"))
+        return InputSet(label, placed, snapshot, [r.clone() for r in ref], scale=scale)
 
     def exact_of(self, s: InputSet) -> list[torch.Tensor | None]:
         """Stock's outputs computed in float64 from the same inputs (`judge.kernel_mismatches` says why),

@@ -33,14 +33,16 @@ REPO = Path(__file__).resolve().parent.parent
 COMMON = dict(pad_token_id=0, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, vocab_size=256, head_dim=16, max_position_embeddings=256)
 CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
-           "phi3": "Phi3ForCausalLM"}
+           "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM"}
+# Gemma-2: every layer global (a sliding window over a 32-slot cache is the same step), soft-capped eager
+# attention, GELU, a norm after each projection
+EXTRA = {"mistral": {"sliding_window": None}, "gemma2": {"layer_types": ["full_attention"] * 2}}
 
 
 def tiny(arch: str, dtype=torch.float32):
     import transformers
 
-    extra = {"mistral": {"sliding_window": None}}.get(arch, {})
-    config = transformers.AutoConfig.for_model(arch, **COMMON, **extra)
+    config = transformers.AutoConfig.for_model(arch, **COMMON, **EXTRA.get(arch, {}))
     torch.manual_seed(0)
     return getattr(transformers, CLASSES[arch])(config).eval().to(dtype)
 
@@ -109,7 +111,7 @@ def test_a_recorded_step_replays_what_eager_runs():
     replayed_equals_eager(model, runner)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "phi3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "phi3", "gemma2"])
 def test_the_five_blocks_are_found_from_dataflow_alone(arch):
     program = program_of(tiny(arch))
     found, skipped = blocks.find(program)
@@ -147,25 +149,22 @@ def test_a_step_whose_shape_matches_no_block_says_why():
     assert len(skipped) == 2 and all("matches no decode block" in s.reason for s in skipped), skipped
 
 
-def test_gemmas_norm_before_the_residual_add_stays_inside_its_block():
-    """Gemma-2 normalises each projection's output before the residual add (a reduction over the row
-    in the epilogue) and computes `1 + w` for every norm: both ride in the blocks; the next layer's norm
-    stays the next block's."""
-    import transformers
-
-    config = transformers.AutoConfig.for_model("gemma2", **COMMON, layer_types=["full_attention"] * 2)
-    torch.manual_seed(0)
-    program = program_of(transformers.Gemma2ForCausalLM(config).eval())
+def test_gemmas_norms_and_soft_capped_eager_attention_ride_in_their_blocks():
+    """Gemma-2 normalises each projection's output before the residual add (a reduction over the row in
+    the epilogue), computes `1 + w` for every norm, and runs its attention eagerly (`bmm`, a soft-capped
+    score, an additive mask, softmax, `bmm`, with `repeat_kv` copies of the cache): each rides in its
+    block, and the attention block never reads the copies."""
+    program = program_of(tiny("gemma2"))
     found, _ = blocks.find(program)
-    kinds = [b.kind for b in found]
-    assert kinds.count("proj_add") == 4 and kinds.count("qkv") == 2 and kinds.count("lm_head") == 1, kinds
     o_proj = next(b for b in found if b.kind == "proj_add")
     assert sum(program.steps[i].name == "aten::mean" for i in o_proj.nodes) == 1
-    cards = {c.fusion.pattern: c for c in cards_of(program)}
-    card = cards["proj_add"]
-    t = templates_for(card, "cpu")[0]
-    verdict = evaluate.evaluate(card, t.render(card, "cpu", t.default(card, "cpu")), target="cpu", bench=False)
-    assert verdict.category is None, verdict.reason
+    attention = next(b for b in found if b.kind == "attention")
+    names = [program.steps[i].name for i in attention.nodes]
+    assert names.count("aten::bmm") == 2 and "aten::tanh" in names and names.count("aten::clone") == 2
+    assert attention.params["masked_reads"]["dead"] == "lowest"
+    card = blocks.make_card(program, attention)
+    plan = block_templates.attention_plan(card)
+    assert plan.score_ref and plan.heads == 4 and plan.kv_heads == 2 and plan.mask_slot >= 0
 
 
 def test_blocks_put_back_by_the_matcher_give_eagers_tokens_and_logits():
@@ -209,7 +208,8 @@ def test_a_chain_that_differs_is_not_matched_and_a_refusing_kernel_leaves_the_ca
     assert calls  # asked, refused, and the recorded calls ran instead
 
 
-@pytest.mark.parametrize("arch,dtype", [("llama", torch.bfloat16), ("qwen2", torch.float32), ("phi3", torch.bfloat16)])
+@pytest.mark.parametrize("arch,dtype", [("llama", torch.bfloat16), ("qwen2", torch.float32), ("phi3", torch.bfloat16),
+                                        ("gemma2", torch.bfloat16), ("mistral", torch.float16)])
 def test_every_block_render_passes_the_verifier_on_the_cpu(arch, dtype):
     cards = {c.fusion.pattern: c for c in cards_of(program_of(tiny(arch, dtype)))}
     assert set(cards) >= set(blocks.KINDS) - {"cache_index"}
@@ -258,9 +258,23 @@ def test_kernels_that_cheat_on_the_cache_or_the_mask_are_rejected():
     att = cards["attention"]
     source = block_templates.AttentionBlockTemplate("blocks.attention", "blocks", ("cpu",), blocks.BLOCK_OPS).render(
         att, "cpu", {})
-    unmasked = _with_body(source, "if (add == -FP_INF) continue;", "if (add == -FP_INF) {}")
+    unmasked = _with_body(source, "if (fp_dead(p, b, h, l, s)) continue;", "")
     verdict = evaluate.evaluate(att, unmasked, target="cpu", bench=False)
     assert verdict.category == "mismatch", verdict.reason
+
+
+def test_eager_attention_kernels_that_drop_the_cap_or_the_tail_are_rejected():
+    """Gemma-2's soft-capped eager attention: a kernel without the cap, and one that reads only the first
+    half of the live slots."""
+    program = program_of(tiny("gemma2"))
+    att = next(c for c in cards_of(program) if c.fusion.pattern == "attention")
+    source = block_templates.AttentionBlockTemplate("blocks.attention", "blocks", ("cpu",), blocks.BLOCK_OPS).render(
+        att, "cpu", {})
+    uncapped = _with_body(source, "tanhf(", "(")
+    half = _with_body(source, "for (int64_t s = 0; s < slots; ++s) {", "for (int64_t s = 0; s < slots / 2; ++s) {")
+    for bad in (uncapped, half):
+        verdict = evaluate.evaluate(att, bad, target="cpu", bench=False)
+        assert verdict.category == "mismatch", verdict.reason
 
 
 def test_block_cuda_renders_compile_for_sm90():
@@ -269,7 +283,9 @@ def test_block_cuda_renders_compile_for_sm90():
 
     if compile_mod.nvcc_path() is None:
         pytest.skip("nvcc is not installed")
-    for card in {c.fusion.pattern: c for c in cards_of(program_of(tiny("llama", torch.bfloat16)))}.values():
+    cards = [c for arch in ("llama", "gemma2") for c in {
+        c.fusion.pattern: c for c in cards_of(program_of(tiny(arch, torch.bfloat16)))}.values()]
+    for card in cards:
         cuda = on_device(card, "cuda")
         for t in templates_for(cuda, "cuda"):
             space = t.space(cuda, "cuda")

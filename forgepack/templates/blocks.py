@@ -24,7 +24,14 @@ three parts, each read from the card's chain, so that no model's code is written
 slot whose mask admits it (a boolean mask, or an additive one where -inf excludes), the query heads
 of one key/value head sharing its loads; slots the mask excludes are never read (a cache is read
 only up to its live length). One block of threads per (row, key/value head); its warps split the
-slots, each keeping a running max and sum (online softmax), merged at the end.
+slots, each keeping a running max and sum (online softmax), merged at the end. An eager attention
+(`softmax(score(q @ kᵀ)) @ v`: Gemma-2's soft-capped score) runs the chain's own score maths on each
+product (`fp_score`, the emitter's index math and rounding), its additive mask excluding a slot at the
+dtype's lowest value as transformers' eager masks do.
+
+The epilogue of a projection may hold one reduction over the products' row (a norm after the
+projection, before the residual add, as Gemma-2 has): the CPU render keeps the whole row in one tile;
+the CUDA render, whose tiles split the row over blocks, refuses it.
 
 Numerics follow the chain: products accumulate in fp32 and round once; every elementwise op rounds
 to its own output dtype; softmax runs in fp32 and the output rounds once.
@@ -865,6 +872,13 @@ class AttentionPlan:
     mask_bool: bool
     dtype: str  # of the attention's output
     out_dtype: str  # of the block's output
+    # an eager attention (`softmax(score(q @ kᵀ)) @ v`): the softmax's input, whose score maths the kernel
+    # runs on each product; the view of the first product read as that product; the queries as the first
+    # product reads them ([rows * heads, queries, dim]); the mask's value that excludes a slot
+    score_ref: tuple = ()
+    dot_at: int = -1
+    q_ref: tuple = ()
+    dead: float = -math.inf
 
 
 def attention_plan(card: Card) -> AttentionPlan:
@@ -872,6 +886,8 @@ def attention_plan(card: Card) -> AttentionPlan:
     if block.get("kind") != "attention":
         raise Refused("not an attention block")
     chain = entries(card)
+    if block.get("eager"):
+        return _eager_plan(card, chain, block)
     calls = [e for e in chain if e.op in _SDPA_MASK]
     if len(calls) != 1:
         raise Refused("not one attention call")
@@ -913,6 +929,98 @@ def attention_plan(card: Card) -> AttentionPlan:
         raise Refused("an attention of another dtype")
     return AttentionPlan(rows, heads, queries, kv_heads, slots, dim, scale, q_slot, k_slot, v_slot, mask_slot,
                          mask_bool, dtype, card.outputs[0].dtype)
+
+
+def _eager_plan(card: Card, chain: list[Entry], block: dict) -> AttentionPlan:
+    """An eager attention: two `bmm`s around one softmax over the slots; keys and values from the cache
+    (through `repeat_kv`), the keys transposed for the first product."""
+    bmms = [e for e in chain if e.op == "bmm"]
+    softmax = [e for e in chain if e.op in ("_softmax", "softmax")]
+    if len(bmms) != 2 or len(softmax) != 1:
+        raise Refused("not two products around one softmax")
+    first, second = bmms
+    sm = softmax[0]
+    score_ref = _plain(_source(sm))
+    rows4 = meta_of(card, chain, score_ref).shape
+    if len(rows4) != 4 or sm.value("dim") % 4 != 3:
+        raise Refused("a softmax not over the slots of [rows, heads, queries, slots]")
+    dot_at = _merged_view(chain, (("t", first.index, 0)), rows4)
+    k_slot, k_rep = _kv_input(card, chain, _unbatched(card, chain, first.tensor("mat2"), True))
+    v_slot, v_rep = _kv_input(card, chain, _unbatched(card, chain, second.tensor("mat2"), False))
+    probs = _unbatched(card, chain, second.tensor("self"), False, casts=True)
+    if probs != ("t", sm.index, 0):
+        raise Refused("the second product does not read the softmax's probabilities")
+    ins = card.tensor_inputs()
+    rows, heads, queries, slots = rows4
+    q_ref = _plain(first.tensor("self"))
+    dim = meta_of(card, chain, q_ref).shape[-1]
+    kmeta, vmeta = ins[k_slot], ins[v_slot]
+    kv_heads = kmeta.shape[1]
+    if tuple(kmeta.shape) != (rows, kv_heads, slots, dim) or tuple(vmeta.shape) != tuple(kmeta.shape) \
+            or heads != kv_heads * k_rep or k_rep != v_rep:
+        raise Refused("keys, values and queries of unmatched shapes")
+    out_at = _merged_view(chain, ("t", second.index, 0), (rows, heads, queries, dim))
+    if len(card.outputs) != 1 or _identity_source(card, chain, _plain(card.fusion.outputs[0]), out_at) != (out_at, 0):
+        raise Refused("an output that is not the attention's result in its own order")
+    mask_slot, dead = -1, -math.inf
+    rule = block.get("masked_reads")
+    if rule:
+        mask_slot = rule["mask"]
+        dead = _lowest(ins[mask_slot].dtype)
+    dtype = second.outs[0].dtype
+    if dtype not in FLOAT_DTYPES or card.outputs[0].dtype not in FLOAT_DTYPES:
+        raise Refused("an attention of another dtype")
+    return AttentionPlan(rows, heads, queries, kv_heads, slots, dim, 1.0, _q_input(card, chain, q_ref), k_slot, v_slot,
+                         mask_slot, False, dtype, card.outputs[0].dtype, score_ref, dot_at, q_ref, dead)
+
+
+def _lowest(dtype: str) -> float:
+    """The lowest finite value of a float dtype: the additive mask's "excluded" (transformers' eager masks)."""
+    return {"float32": -3.4028234663852886e38, "float16": -65504.0, "bfloat16": -3.3895313892515355e38}[dtype]
+
+
+def _merged_view(chain: list[Entry], ref: tuple, shape4: tuple) -> int:
+    """The one view of a `bmm`'s [a * b, m, n] output as [a, b, m, n] (its only reader): its entry."""
+    readers = [e for e in chain if any(_plain(r) == ref for _, r in e.tensor_args())]
+    if len(readers) != 1 or readers[0].op not in _RESHAPES or tuple(readers[0].outs[0].shape) != tuple(shape4):
+        raise Refused("a product not read as [rows, heads, ...] alone")
+    return readers[0].index
+
+
+def _unbatched(card: Card, chain: list[Entry], ref: tuple, transposed: bool, casts: bool = False) -> tuple:
+    """What a `bmm` operand [rows * heads, m, n] is a batched view of: the [rows, heads, m, n] value before
+    its merge, a same-shape expand, (`transposed`) one transpose of the last two dims, and (`casts`)
+    dtype casts."""
+    ref = _plain(ref)
+    e = chain[ref[1]] if ref[0] == "t" else None
+    if e is None or e.op not in _RESHAPES:
+        raise Refused("a product's operand that is not a merge of [rows, heads]")
+    ref = _plain(_source(e))
+    src = meta_of(card, chain, ref).shape
+    if len(src) != 4 or tuple(e.outs[0].shape) != (src[0] * src[1], src[2], src[3]):
+        raise Refused("a product's operand that is not a merge of [rows, heads]")
+    while ref[0] == "t":
+        e = chain[ref[1]]
+        same = e.op == "expand" and tuple(meta_of(card, chain, _source(e)).shape) == tuple(e.outs[0].shape)
+        if same or (casts and e.op in ("_to_copy", "to")):
+            ref = _plain(_source(e))
+        elif transposed and e.op == "transpose" and {e.value("dim0") % 4, e.value("dim1") % 4} == {2, 3}:
+            ref, transposed = _plain(_source(e)), False
+        else:
+            break
+    if transposed:
+        raise Refused("keys not transposed for the product")
+    return ref
+
+
+def _q_input(card: Card, chain: list[Entry], ref: tuple) -> int:
+    """The input the queries come from (through the views of the first product's operand)."""
+    while ref[0] == "t":
+        e = chain[ref[1]]
+        if e.op not in fused._VIEWS:
+            raise Refused(f"the queries reach the block through a {e.op}")
+        ref = _plain(_source(e))
+    return ref[1]
 
 
 def _kv_input(card: Card, chain: list[Entry], ref: tuple) -> tuple[int, int]:
@@ -982,9 +1090,9 @@ def _identity_input(card: Card, chain: list[Entry], ref: tuple) -> int:
     return ref[1]
 
 
-def _identity_source(card: Card, chain: list[Entry], ref: tuple) -> tuple[int, int] | None:
+def _identity_source(card: Card, chain: list[Entry], ref: tuple, stop: int = -1) -> tuple[int, int] | None:
     """(entry, output) an output is, through views that keep each row's element order (transposes of a
-    size-1 axis included): checked on every index of one row."""
+    size-1 axis included), up to entry `stop`: checked on every index of one row."""
     meta = meta_of(card, chain, ref)
     per_row = math.prod(meta.shape[1:])
     for f in range(per_row):
@@ -994,7 +1102,7 @@ def _identity_source(card: Card, chain: list[Entry], ref: tuple) -> tuple[int, i
             rest //= n
         idx = [0, *reversed(idx)]
         r, at = _plain(ref), idx
-        while r[0] == "t" and chain[r[1]].op in fused._VIEWS:
+        while r[0] == "t" and chain[r[1]].op in fused._VIEWS and r[1] != stop:
             e = chain[r[1]]
             src = _plain(_source(e))
             at = _py_view_index(e, meta_of(card, chain, r).shape, meta_of(card, chain, src).shape, at)
@@ -1022,11 +1130,60 @@ def _mask_term(card: Card, plan: AttentionPlan, b: str, head: str, query: str, s
     return f"({read} ? 0.0f : -FP_INF)" if plan.mask_bool else f"fp_ld({read})"
 
 
+class _AttentionEmitter(_Emitter):
+    """The eager attention's score maths and query views: the first product's value is the kernel's
+    `dot`, rounded as the `bmm` rounds; inputs are read with the call's strides (a mask's length follows the
+    cache's across a family)."""
+
+    def __init__(self, card: Card, chain: list[Entry], target: str, plan: AttentionPlan):
+        super().__init__(card, chain, target, "int64_t")
+        self.plan = plan
+
+    def load_offset(self, slot: int, idx: list[str]) -> str:
+        meta = self.card.tensor_inputs()[slot]
+        return " + ".join(f"({i}) * p.s{slot}[{d}]" for d, (i, n) in enumerate(zip(idx, meta.shape, strict=True))
+                          if n != 1) or "0"
+
+    def value(self, ref, idx, out, memo):
+        ref = _plain(ref)
+        if ref == ("t", self.plan.dot_at, 0):
+            dtype = self.chain[ref[1]].outs[0].dtype
+            return f"fp_round_{dtype}(dot)", dtype
+        return super().value(ref, idx, out, memo)
+
+
+def _attention_fns(card: Card, plan: AttentionPlan, target: str) -> str:
+    """`fp_q` (a query element), `fp_dead` (whether the mask excludes a slot: never read) and `fp_score`
+    (the softmax's input from a product `dot`) at (row, head, query, slot or dim)."""
+    args = "const fp_args& p, int64_t b, int64_t h, int64_t l"
+    if not plan.score_ref:
+        q = plan.q_slot
+        mask = _mask_term(card, plan, "b", "h", "l", "s")
+        q_body = f"return fp_ld(p.in{q}[b * p.s{q}[0] + (h * {plan.queries} + l) * {plan.dim} + d]);"
+        dead_body = f"return {mask} == -FP_INF;" if plan.mask_slot >= 0 else "return false;"
+        score_body = f"return dot * {flit(plan.scale)} + {mask};"
+    else:
+        chain = entries(card)
+        stmts: list[str] = []
+        name, _ = _AttentionEmitter(card, chain, target, plan).value(
+            plan.q_ref, [f"(b * {plan.heads} + h)", "l", "d"], stmts, {})
+        q_body = " ".join([*stmts, f"return {name};"])
+        stmts = []
+        name, _ = _AttentionEmitter(card, chain, target, plan).value(plan.score_ref, ["b", "h", "l", "s"], stmts, {})
+        score_body = " ".join([*stmts, f"return {name};"])
+        dead_body = "return false;"
+        if plan.mask_slot >= 0:
+            dead_body = f"return {_mask_term(card, plan, 'b', 'h', 'l', 's')} <= {flit(plan.dead)};"
+    return (f"FP_FN float fp_q({args}, int64_t d) {{ {q_body} }}\n"
+            f"FP_FN bool fp_dead({args}, int64_t s) {{ {dead_body} }}\n"
+            f"FP_FN float fp_score({args}, int64_t s, float dot) {{ {score_body} }}\n")
+
+
 def _attention_cpu(card: Card, plan: AttentionPlan) -> str:
     """Each query row: one pass over the live slots with a running max (as the CUDA render)."""
     ins = card.tensor_inputs()
-    q, k, v = plan.q_slot, plan.k_slot, plan.v_slot
-    qt, kt, ot = (ctype(m.dtype, "cpu") for m in (ins[q], ins[k], card.outputs[0]))
+    k, v = plan.k_slot, plan.v_slot
+    kt, ot = (ctype(m.dtype, "cpu") for m in (ins[k], card.outputs[0]))
     group = plan.heads // plan.kv_heads
     struct, inits = _fields(card, "cpu")
     out = card.outputs[0]
@@ -1036,16 +1193,16 @@ def _attention_cpu(card: Card, plan: AttentionPlan) -> str:
   for (int64_t h = 0; h < {plan.heads}; ++h)
   for (int64_t l = 0; l < {plan.queries}; ++l) {{
     const int64_t kh = h / {group};
-    const {qt}* qr = p.in{q} + b * p.s{q}[0] + (h * {plan.queries} + l) * {plan.dim};
+    float qv[{plan.dim}];
+    for (int64_t d = 0; d < {plan.dim}; ++d) qv[d] = fp_q(p, b, h, l, d);
     float top = -FP_INF, total = 0.0f, acc[{plan.dim}];
     for (int64_t d = 0; d < {plan.dim}; ++d) acc[d] = 0.0f;
     for (int64_t s = 0; s < slots; ++s) {{
-      const float add = {_mask_term(card, plan, "b", "h", "l", "s")};
-      if (add == -FP_INF) continue;  // a slot the mask excludes is never read
+      if (fp_dead(p, b, h, l, s)) continue;  // a slot the mask excludes is never read
       const {kt}* kr = p.in{k} + b * p.s{k}[0] + kh * p.s{k}[1] + s * p.s{k}[2];
       float dot = 0.0f;
-      for (int64_t d = 0; d < {plan.dim}; ++d) dot += fp_ld(qr[d]) * fp_ld(kr[d * p.s{k}[3]]);
-      const float x = dot * {flit(plan.scale)} + add;
+      for (int64_t d = 0; d < {plan.dim}; ++d) dot += qv[d] * fp_ld(kr[d * p.s{k}[3]]);
+      const float x = fp_score(p, b, h, l, s, dot);
       const float next = fp_max_nan(top, x);
       const float keep = top == -FP_INF ? 0.0f : std::exp(top - next), pj = std::exp(x - next);
       const {kt}* vr = p.in{v} + b * p.s{v}[0] + kh * p.s{v}[1] + s * p.s{v}[2];
@@ -1059,12 +1216,12 @@ def _attention_cpu(card: Card, plan: AttentionPlan) -> str:
     for (int64_t d = 0; d < {plan.dim}; ++d) o[d] = fp_st<{ot}>(total > 0.0f ? acc[d] / total : 0.0f);
   }}
   {launch_status("cpu")}"""
-    return prelude("cpu") + struct + _entry(card, "cpu", body)
+    return prelude("cpu") + struct + _attention_fns(card, plan, "cpu") + _entry(card, "cpu", body)
 
 
 def _attention_cuda(card: Card, plan: AttentionPlan, params: dict) -> str:
     ins = card.tensor_inputs()
-    q, k, v = plan.q_slot, plan.k_slot, plan.v_slot
+    k, v = plan.k_slot, plan.v_slot
     kt, ot = (ctype(m.dtype, "cuda") for m in (ins[k], card.outputs[0]))
     warps = params["warps"]
     threads = warps * 32
@@ -1073,8 +1230,8 @@ def _attention_cuda(card: Card, plan: AttentionPlan, params: dict) -> str:
     per_lane = ceil_div(plan.dim, 32)
     if plan.mask_slot >= 0 and any(ins[plan.mask_slot].shape[d] != 1 for d in (1, 2)):
         raise Refused("a mask that differs between heads or queries")
-    mask = _mask_term(card, plan, "b", "0", "0", "s")
     struct, inits = _fields(card, "cuda")
+    head = f"kh * {group} + r / {plan.queries}", f"r % {plan.queries}"  # query row r's head and position
     out = card.outputs[0]
     size = ins[k].itemsize
     vec = 16 // size if plan.dim * size % 16 == 0 else 0
@@ -1092,7 +1249,7 @@ __global__ void __launch_bounds__({threads}) fp_attention(const fp_args p) {{
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   for (int i = threadIdx.x; i < {nq * plan.dim}; i += {threads}) {{
     const int r = i / {plan.dim}, d = i % {plan.dim};
-    qs[r][d] = fp_ld(p.in{q}[b * p.s{q}[0] + (kh * {nq} + r) * {plan.dim} + d]);
+    qs[r][d] = fp_q(p, b, {head[0]}, {head[1]}, d);
   }}
   __syncthreads();
   float m[{nq}], l[{nq}], o[{nq}][{per_lane}];
@@ -1108,8 +1265,8 @@ __global__ void __launch_bounds__({threads}) fp_attention(const fp_args p) {{
                     && reinterpret_cast<uintptr_t>(kb) % 16 == 0;
   for (int64_t base = warp * 32; base < slots; base += {threads}) {{
     const int64_t s = base + lane;
-    float add = -FP_INF;
-    if (s < slots) add = {mask};
+    float add = -FP_INF;  // 0: the slot is read; -inf: the mask excludes it (the same for every head and query)
+    if (s < slots && !fp_dead(p, b, kh * {group}, 0, s)) add = 0.0f;
     if (__all_sync(0xffffffffu, add == -FP_INF)) continue;
     float sc[{nq}];
 #pragma unroll
@@ -1137,7 +1294,7 @@ __global__ void __launch_bounds__({threads}) fp_attention(const fp_args p) {{
     }}
 #pragma unroll
     for (int r = 0; r < {nq}; ++r) {{
-      const float x = add == -FP_INF ? -FP_INF : sc[r] * {flit(plan.scale)} + add;
+      const float x = add == -FP_INF ? -FP_INF : fp_score(p, b, {head[0]}, {head[1]}, s, sc[r]);
       const float top = fmaxf(m[r], fp_warp_max<32>(x));
       const float pj = x == -FP_INF ? 0.0f : __expf(x - top);
       const float keep = m[r] == -FP_INF ? 0.0f : __expf(m[r] - top);
@@ -1189,7 +1346,7 @@ __global__ void __launch_bounds__({threads}) fp_attention(const fp_args p) {{
     launch = "\n  ".join(["fp_args p;", *inits,
                           f"fp_attention<<<{plan.rows * plan.kv_heads}u, {threads}, 0, stream>>>(p);",
                           launch_status("cuda")])
-    return prelude("cuda") + struct + kernel + _entry(card, "cuda", launch)
+    return prelude("cuda") + struct + _attention_fns(card, plan, "cuda") + kernel + _entry(card, "cuda", launch)
 
 
 class AttentionBlockTemplate(_BlockTemplate):
