@@ -21,6 +21,11 @@ Verdict categories, in the order they are checked:
 Acceptance (bench=True): median speed-up (eager / kernel) >= 1 + margin and the bootstrap interval's
 low end > 1. A negative margin is a test mode (forcing packs on noisy cpu machines): the low end must
 then exceed 1 + margin. bench=False verifies only: accepted iff verified, speed-up None.
+
+The kernel's time is what the model will see: a CPU fusion kernel's includes what serving it through
+its patch site costs (the Python guard, the fused op's dispatch and its allocations), measured once per
+card with a do-nothing kernel (`forgepack.servecost`) and added to every timed call, so the accept
+rule, a family's folded figure, the allocator and the report all read one number.
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from forgepack import cards as cards_mod
-from forgepack import outcomes, staticcheck
+from forgepack import outcomes, servecost, staticcheck
 from forgepack import worker as worker_mod
 from forgepack.cards import Card
 from forgepack.compile import TARGETS, CompileResult, compile_kernel
@@ -216,6 +221,7 @@ class Evaluator:
         self.device_index = device_index
         self.timeout_s = timeout_s
         self._worker: _Worker | None = _Worker(target, device_index)  # starts now, overlapping the first compile
+        self._serving: dict[str, float] = {}  # `servecost.key` -> microseconds a call
 
     def __enter__(self) -> Evaluator:
         return self
@@ -281,10 +287,11 @@ class Evaluator:
         if not bench:
             return Verdict(True, None, f"verified on {len(answer.input_sets)} input sets (not benchmarked)",
                            {"verification": verified, "seed": seed}, verify_s=verify_s, **base)
+        serving = self.serving_us(card, progress=say)
         say("benchmarking")
         start = time.perf_counter()
         reps = {"reps": self.bench_reps} if self.bench_reps else {}
-        timed = self._ask({"cmd": "bench", **request, **reps})
+        timed = self._ask({"cmd": "bench", **request, **reps, "serving_us": serving})
         bench_s = time.perf_counter() - start
         if not timed.ok:
             return self._rejected(timed, base, seed, verify_s=verify_s, bench_s=bench_s)
@@ -299,11 +306,32 @@ class Evaluator:
         reps = {"reps": self.bench_reps} if self.bench_reps else {}
         start = time.perf_counter()
         timed = self._ask({"cmd": "bench", "card": cards_mod.to_json(card), "binary": compiled.binary,
-                           "samples": None, "seed": seed, "placement": placement, **reps})
+                           "samples": None, "seed": seed, "placement": placement, **reps,
+                           "serving_us": self.serving_us(card)})
         bench_s = time.perf_counter() - start
         if not timed.ok:
             return self._rejected(timed, base, seed, verify_s=0.0, bench_s=bench_s)
         return _bench_verdict(timed, margin, base, {"seed": seed, "placement": placement}, 0.0, bench_s)
+
+    def serving_us(self, card: Card, *, progress: Progress | None = None) -> float:
+        """What serving a kernel for this card costs in the model beyond the timed kernel call, in
+        microseconds a call: measured once per card (`servecost.key`) in the worker, with the probe.
+
+        0 for CUDA: the benchmark times GPU work with events, and the pack serves a model from CUDA
+        graphs (the gate times graph replay wherever the forward replays), where no Python guard or op
+        dispatch runs per call. 0 for an operator card: the shim's C++ override at the op's backend key
+        sits behind the same Python and dispatcher path stock takes."""
+        if not servecost.applies(card, self.target):
+            return 0.0
+        key = servecost.key(card)
+        if key not in self._serving:
+            (progress or (lambda _stage: None))("measuring what serving through the patch site costs")
+            probe = servecost.probe_library()
+            answer = self._ask({"cmd": "serving", "card": cards_mod.to_json(card), "probe": probe.to_json()})
+            if not isinstance(answer, outcomes.ServingCost):
+                raise ForgepackError(f"the serving probe failed on {card.id}: {answer.reason}")
+            self._serving[key] = answer.serving_us
+        return self._serving[key]
 
     # --- the worker ----------------------------------------------------------------------------
 
@@ -401,13 +429,16 @@ def _bench_verdict(timed: outcomes.Timed, margin: float, base: dict, diagnostics
                    bench_s: float) -> Verdict:
     speedup, low, high = timed.speedup, timed.ci_low, timed.ci_high
     bench = {"reps": timed.reps, "input": timed.input, "checked": timed.checked, "calls": timed.calls}
+    if timed.serving_us:
+        bench["serving_us"] = timed.serving_us
     diagnostics = {**diagnostics, "bench": bench, "margin": margin}
     if speedup > 10:
         diagnostics["suspicious"] = "speed-up above 10x: worth a look at the kernel (it passed every check)"
     timing = dict(eager_us=timed.eager_us, kernel_us=timed.kernel_us, speedup=speedup, ci_low=low, ci_high=high,
                   verify_s=verify_s, bench_s=bench_s)
+    serving = f", {timed.serving_us:.1f} us of it serving through the patch site" if timed.serving_us else ""
     summary = f"{speedup:.3f}x (95% interval {low:.3f}-{high:.3f}; eager {timed.eager_us:.1f} us, " \
-              f"kernel {timed.kernel_us:.1f} us)"
+              f"kernel {timed.kernel_us:.1f} us{serving})"
     if accept_rule(speedup, low, margin):
         return Verdict(True, None, f"verified; {summary}", diagnostics, **timing, **base)
     floor = 1 + margin if margin < 0 else 1.0

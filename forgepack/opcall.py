@@ -99,8 +99,11 @@ def output_layouts(card: Card) -> tuple[Layouts, list[str]]:
 
 
 class ChainPlan:
-    """A chain with its ops resolved and its non-tensor arguments decoded once, so that a replay costs
-    the aten calls and little else (profiling times replays)."""
+    """A chain with its ops resolved and its non-tensor arguments decoded once, compiled into one
+    straight-line Python function (a local per value, the ops and constants bound as names), so that a
+    replay costs the aten calls and little else: the benchmark times a fusion kernel against it as the
+    model's code runs the chain. Interpreting the chain instead (refs resolved per call, closures and
+    lists per step) made the tiny Llama's act(gate) * up 10.2 us against 6.9 us as its module runs it."""
 
     def __init__(self, card: Card, device: torch.device):
         self.steps = []
@@ -123,38 +126,60 @@ class ChainPlan:
                     positional.append(item)
             self.steps.append((func, tuple(positional), tuple(keyword)))
         self.outputs = card.fusion.outputs
+        self._replay = _compiled(self.steps, self.outputs)
 
     def __call__(self, tensors: list[torch.Tensor | None]) -> list[torch.Tensor]:
-        inputs, values = self._run(tensors)  # an input written in place is a clone in `inputs`
-        return [inputs[r[1]] if r[0] == "in" else values[r[1]][r[2]] for r in self.outputs]
+        return self._replay(tensors)[2]  # an input written in place is a clone in the replay's inputs
 
     def values(self, tensors: list[torch.Tensor | None]) -> list[list[torch.Tensor]]:
         """Every chain entry's outputs, in chain order."""
         return self._run(tensors)[1]
 
     def _run(self, tensors: list[torch.Tensor | None]) -> tuple[list, list[list[torch.Tensor]]]:
-        values: list[list[torch.Tensor]] = []
-        inputs = list(tensors)
-        cloned: set[int] = set()
-
-        def get(ref: tuple) -> torch.Tensor:
-            return inputs[ref[1]] if ref[0] == "in" else values[ref[1]][ref[2]]
-
-        def arg(item: tuple):
-            kind, payload, written = item
-            if kind == "const":
-                return payload
-            if kind == "refs":
-                return [get(r) for r in payload]
-            if written and payload[0] == "in" and payload[1] not in cloned:
-                inputs[payload[1]] = inputs[payload[1]].clone()
-                cloned.add(payload[1])
-            return get(payload)
-
-        for func, positional, keyword in self.steps:
-            out = func(*[arg(i) for i in positional], **{k: arg(i) for k, i in keyword})
-            values.append(stockcall.flatten_outputs(out))
+        """(the inputs, an input the chain writes in place cloned first; every entry's outputs)."""
+        inputs, values, _ = self._replay(tensors)
         return inputs, values
+
+
+def _compiled(steps: list, outputs: tuple) -> Callable[[list], tuple[list, list, list]]:
+    """The chain as one function of its inputs: (inputs, every entry's outputs, the chain's outputs).
+
+    Arguments are taken in order, each into a local, and an input an entry writes is cloned just
+    before that argument is taken (the caller's tensors are never changed; an argument taken before it
+    is the original). Generated code names only locals, the ops and constants: no text of the card."""
+    names: dict[str, Any] = {"_flat": stockcall.flatten_outputs}
+    lines = ["def replay(tensors):", "    inputs = list(tensors)"]
+    cloned: set[int] = set()
+
+    def ref(r: tuple) -> str:
+        return f"inputs[{r[1]}]" if r[0] == "in" else f"v{r[1]}[{r[2]}]"
+
+    def take(item: tuple, local: str) -> str:
+        kind, payload, written = item
+        if kind == "const":
+            names[local] = payload
+            return local
+        if kind == "refs":
+            lines.append(f"    {local} = [{', '.join(ref(r) for r in payload)}]")
+            return local
+        if written and payload[0] == "in" and payload[1] not in cloned:
+            lines.append(f"    inputs[{payload[1]}] = inputs[{payload[1]}].clone()")
+            cloned.add(payload[1])
+        lines.append(f"    {local} = {ref(payload)}")
+        return local
+
+    for p, (func, positional, keyword) in enumerate(steps):
+        names[f"op{p}"] = func
+        args = [take(item, f"a{p}_{k}") for k, item in enumerate(positional)]
+        args += [f"{name}={take(item, f'k{p}_{k}')}" for k, (name, item) in enumerate(keyword)]
+        call = f"op{p}({', '.join(args)})"
+        returns = func._schema.returns
+        single = len(returns) == 1 and str(returns[0].type) == "Tensor"
+        lines.append(f"    v{p} = [{call}]" if single else f"    v{p} = _flat({call})")
+    lines.append(f"    return inputs, [{', '.join(f'v{p}' for p in range(len(steps)))}], "
+                 f"[{', '.join(ref(r) for r in outputs)}]")
+    exec(compile("\n".join(lines), "<forgepack chain replay>", "exec"), names)  # the code built above
+    return names["replay"]
 
 
 _PLANS: dict[tuple[str, str], ChainPlan] = {}

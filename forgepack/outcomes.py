@@ -5,7 +5,9 @@ parent (`forgepack.evaluate`) reads it back with `from_json`; neither side passe
 
 - `Failure`: the kernel was rejected (category, one-line reason, diagnostics for people and proposers);
 - `Verified`: every verification input set passed;
-- `Timed`: the benchmark's numbers, after every timed call's output was checked.
+- `Timed`: the benchmark's numbers, after every timed call's output was checked;
+- `ServingCost`: what serving a fused kernel through its patch site costs beyond the kernel call
+  (`forgepack.servecost`).
 
 This module imports nothing heavy (no torch): the parent side never loads torch for it.
 """
@@ -70,6 +72,7 @@ class Timed:
     input: str
     checked: int = 0
     calls: int = 0
+    serving_us: float = 0.0  # added to every timed kernel call before kernel_us, speedup and the interval
 
     ok = True
 
@@ -77,8 +80,22 @@ class Timed:
         return {"kind": "timed", "ok": True, **_plain(self)}
 
 
-Outcome = Failure | Verified | Timed
-_KINDS = {"failure": Failure, "verified": Verified, "timed": Timed}
+@dataclass(frozen=True)
+class ServingCost:
+    """Microseconds a call that serving a card's kernel through its patch site adds to the kernel call
+    (its dearest site), and each site's figures (`servecost.measure`)."""
+
+    serving_us: float
+    sites: tuple[dict[str, Any], ...] = ()
+
+    ok = True
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": "serving", "ok": True, **_plain(self)}
+
+
+Outcome = Failure | Verified | Timed | ServingCost
+_KINDS = {"failure": Failure, "verified": Verified, "timed": Timed, "serving": ServingCost}
 
 
 def from_json(data: dict[str, Any]) -> Outcome:
@@ -87,7 +104,7 @@ def from_json(data: dict[str, Any]) -> Outcome:
     cls = _KINDS[kind]
     names = {f.name: f for f in dataclasses.fields(cls)}
     values = {k: v for k, v in data.items() if k in names}
-    for name in ("input_sets", "skipped_sets"):
+    for name in ("input_sets", "skipped_sets", "sites"):
         if name in values:
             values[name] = tuple(values[name])
     return cls(**values)

@@ -40,7 +40,10 @@ trace warmed before the rounds, the rounds sent one column at a time in a rotati
 `round_s`, median tokens/s and its bootstrap 95% `interval`, the ratio to every peer with its interval
 (rounds paired), `recompiles` during the rounds (with the guard-failure reasons), the cold process's
 `load_s`, `ready_s`, `first_request_s` (compile or capture included) and `warmup_s`, and how many
-requests' greedy tokens equal eager's (all of them on a trained model: `forgepack.trainedlm`).
+requests' greedy tokens equal eager's (all of them on a trained model: `forgepack.trainedlm`). Beside
+the columns, `time_share` and `call_share`: the share of the stock trace's time (GPU time on CUDA,
+wall time on the CPU) and of its aten calls that the pack's kernels replace, over every op of the
+prefills and decode steps (`forgepack.servedshare`, in a fresh process; 0 without a pack).
 
     result = servebench.bench_peers(recipe, ServeSettings(requests=8, rounds=5), pack_spec=None)
 """
@@ -693,9 +696,39 @@ def bench_peers(recipe, settings: ServeSettings, pack_spec: str | None = None, n
             note(f"{name}: round {r + 1}/{settings.rounds} done", done, total)
         for peer in live:
             drive(peer, "stop", peer.info.update)
+        for peer in peers:
+            peer.close()
+        note(f"{name}: the stock time the pack replaces", done, total)
+        coverage = coverage_process(args + (["--pack", pack_spec] if pack_spec else []), env)
     eager = next((p for p in peers if p.name == "eager"), None)
     return {"trace": trace, "peers": True, "grammar": trained_grammar(recipe), "columns": summarise_peers(peers),
-            "eager_tokens": eager.info.get("tokens") if eager else None}
+            "eager_tokens": eager.info.get("tokens") if eager else None, "time_share": coverage.get("time_share"),
+            "call_share": coverage.get("call_share"), "coverage": coverage}
+
+
+def coverage_process(args: list[str], env: dict) -> dict:
+    """`forgepack.servedshare` in a fresh process (the stock trace, then the pack's): its JSON line, or
+    the error, reported and not raised."""
+    try:
+        proc = subprocess.run([sys.executable, "-m", "forgepack.servedshare", *args], capture_output=True, text=True,
+                              timeout=PEER_TIMEOUT_S, env=env, check=False)
+    except subprocess.TimeoutExpired:
+        return {"error": f"the coverage process ran past {PEER_TIMEOUT_S} s"}
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        return {"error": f"the coverage process failed (exit {proc.returncode}): {tail}"}
+    return json.loads(lines[-1])
+
+
+def coverage_line(result: dict) -> str:
+    """The pack's share of the stock trace, in a sentence under the peers' table."""
+    cov = result.get("coverage") or {}
+    if result.get("time_share") is None:
+        return f"pack coverage: not measured ({cov.get('error', 'no figure')})"
+    return (f"pack coverage: its kernels replace {result['time_share']:.1%} of the stock trace's {cov['time']} time "
+            f"({cov['replaced_ms']:.1f} of {cov['stock_ms']:.1f} ms) and {result['call_share']:.1%} of its "
+            f"{cov['stock_calls']} aten calls")
 
 
 def drive(peer: Peer, command: str, keep: Callable[[dict], Any]) -> None:
@@ -805,6 +838,8 @@ def markdown(header: str, results: dict, settings: ServeSettings, cuda: bool) ->
     for name, res in results.items():
         headers = PEER_HEADERS if res.get("peers") else HEADERS
         text += f"## {name}\n\n" + tabulate(rows_of(res), headers=headers, tablefmt="github") + "\n\n"
+        if res.get("peers"):
+            text += coverage_line(res) + "\n\n"
     return text
 
 

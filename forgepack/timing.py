@@ -136,13 +136,16 @@ def compare(
     before_b: Callable[[], object] | None = None,
     after_b: Callable[..., object] | None = None,
     before_a: Callable[[], object] | None = None,
+    b_added_us: float = 0.0,
 ) -> Comparison:
     """Time A and B in alternating order (random order within each pair), L2 flushed before each on CUDA.
 
     `before_b` runs before every call of B (warm-up included) and `after_b` after it, both outside the
     timed region: the verifier refills B's output buffers and checks every call's result there.
     `after_b` gets the call's time in microseconds (None for a warm-up call); `before_a` runs before each
-    timed call of A (the verifier gives both sides the same surroundings)."""
+    timed call of A (the verifier gives both sides the same surroundings). `b_added_us` is added to each
+    of B's times before the medians and the interval: what B costs where it runs beyond the call timed
+    here (a fused kernel's serving through its patch site, `forgepack.servecost`)."""
     device = torch.device(device)
     flusher = flusher_for(device)
     rng = random.Random(seed)
@@ -165,6 +168,7 @@ def compare(
                 out.append(time_once(fn, device, flusher))
                 if out is b:
                     after(out[-1])
+    b = [t + b_added_us for t in b]
     low, high = bootstrap_ratio_ci(a, b, seed=seed)
     med_a, med_b = statistics.median(a), statistics.median(b)
     return Comparison(med_a, med_b, med_a / med_b, low, high, reps)

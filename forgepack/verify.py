@@ -975,12 +975,13 @@ class CheckFailed(Exception):
 
 
 def bench(card: Card, fn, samples_path: Path | None, device: torch.device | str, seed: int,
-          reps: int = BENCH_REPS, placement: int = 0) -> Timed | Failure:
+          reps: int = BENCH_REPS, placement: int = 0, serving_us: float = 0.0) -> Timed | Failure:
     """Stock op vs kernel, interleaved (`timing.compare`), on a captured sample (else a fresh input).
 
     Both run on the same guarded inputs and, on CUDA, on the side stream verification uses. Every
     kernel call is checked (`TimedCalls`); then come the late calls and checks (module docstring).
-    `placement` > 0 puts this benchmark's buffers elsewhere in memory (`_placed_apart`).
+    `placement` > 0 puts this benchmark's buffers elsewhere in memory (`_placed_apart`). `serving_us`
+    (a CPU fusion card's serving cost, `forgepack.servecost`) is added to every timed kernel call.
     """
     device = torch.device(device)
     strict_precision()
@@ -1005,18 +1006,19 @@ def bench(card: Card, fn, samples_path: Path | None, device: torch.device | str,
         strict_precision(exact_sums=False)  # the stock op is timed as users run it
         try:
             result = timing.compare(stock, calls, device, reps=reps, warmup=warmup, seed=seed % (1 << 31),
-                                    before_b=calls.before, after_b=calls.after, before_a=calls.hold)
+                                    before_b=calls.before, after_b=calls.after, before_a=calls.hold,
+                                    b_added_us=serving_us)
         except KernelFailed as err:
             return fail("crash", f"returned {err.code} during the benchmark", returned=err.code)
         except CheckFailed as err:
             return err.failure
         finally:
             strict_precision()
-        bad = _late_phase(h, s, calls, result.b_us)
+        bad = _late_phase(h, s, calls, result.b_us - serving_us)
         if bad:
             return bad.with_diagnostics(during="after the benchmark")
     return Timed(result.a_us, result.b_us, result.speedup, result.ci_low, result.ci_high, result.reps, label,
-                 checked=calls.checked, calls=h.history["calls"])
+                 checked=calls.checked, calls=h.history["calls"], serving_us=serving_us)
 
 
 def _late_phase(h: Harness, s: InputSet, calls: TimedCalls, kernel_us: float) -> Failure | None:

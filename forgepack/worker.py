@@ -17,7 +17,10 @@ corrupt the protocol. The first line sent is ``{"ready": true, ...}`` once torch
 Requests (``card`` is `cards.to_json`, ``binary`` a compiled `kernel.so`, ``samples`` a path or null):
     {"cmd": "verify", "card": {...}, "binary": "...", "samples": ..., "seed": N} -> `outcomes.Verified` / `Failure`
     {"cmd": "bench",  "card": {...}, "binary": "...", "samples": ..., "seed": N} -> `outcomes.Timed` / `Failure`
-        (optional "reps": N, "placement": K > 0 to place the buffers elsewhere: `verify.bench`)
+        (optional "reps": N, "placement": K > 0 to place the buffers elsewhere, "serving_us": X added to
+        every timed kernel call: `verify.bench`)
+    {"cmd": "serving", "card": {...}, "probe": {"library": ..., "root": ...}} -> `outcomes.ServingCost`
+        (what serving the card's kernel through its patch sites costs: `forgepack.servecost.measure`)
     {"cmd": "exit"}
 A failure of the stock op answers ``{"ok": false, "error": "..."}``; any other exception while a kernel
 was involved answers a crash failure and the worker exits (its memory may be corrupted).
@@ -149,9 +152,11 @@ def _forbid_threads_and_sleep() -> bool:
 def handle(request: dict, device, kernels: dict, cards, verify) -> tuple[dict, bool]:
     """(answer, whether the worker must exit now)."""
     cmd = request.get("cmd")
-    if cmd not in ("verify", "bench"):
+    if cmd not in ("verify", "bench", "serving"):
         return {"ok": False, "error": f"unknown request {cmd!r}"}, False
     card = cards.from_json(request["card"])
+    if cmd == "serving":
+        return _serving(card, request["probe"]), False
     binary = request["binary"]
     try:
         if binary not in kernels:
@@ -160,6 +165,8 @@ def handle(request: dict, device, kernels: dict, cards, verify) -> tuple[dict, b
         return verify.fail("crash", f"could not be loaded: {err}", error=str(err)).to_json(), True
     run = verify.verify if cmd == "verify" else verify.bench
     extra = {key: int(request[key]) for key in ("reps", "placement") if cmd == "bench" and request.get(key)}
+    if cmd == "bench" and request.get("serving_us"):
+        extra["serving_us"] = float(request["serving_us"])
     try:
         outcome = run(card, kernels[binary], request.get("samples"), device, int(request["seed"]), **extra)
         return outcome.to_json(), False
@@ -170,6 +177,17 @@ def handle(request: dict, device, kernels: dict, cards, verify) -> tuple[dict, b
         first = str(err).strip().splitlines()[0][:300] if str(err).strip() else type(err).__name__
         return verify.fail("crash", f"failed while running: {first}", error=str(err)[:2000],
                            traceback=tail).to_json(), True
+
+
+def _serving(card, probe: dict) -> dict:
+    """The serving probe's answer; its failure is no kernel's (an error: the build stops and says why)."""
+    from forgepack import outcomes, servecost
+
+    try:
+        measured = servecost.measure(card, probe)
+    except Exception as err:
+        return {"ok": False, "error": f"the serving probe failed: {type(err).__name__}: {err}"}
+    return outcomes.ServingCost(measured["serving_us"], tuple(measured["sites"])).to_json()
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@
 - `gpu` tests are skipped cleanly without a CUDA GPU; `long` tests get a longer timeout than the
   900 s of every other test.
 - Every test runs with its own FORGEPACK_HOME and cache directory, and the session fails if a test
-  left files behind in the repository.
+  left files behind in the repository. The serving probe's library (`forgepack.servecost`, about 13 s
+  to compile) is compiled once per run, into a directory the tests share.
 """
 
 from __future__ import annotations
@@ -33,11 +34,17 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="session")
+def probe_cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("probes")
+
+
 @pytest.fixture(autouse=True)
-def isolated_dirs(tmp_path_factory, monkeypatch):
+def isolated_dirs(tmp_path_factory, monkeypatch, probe_cache):
     home = tmp_path_factory.mktemp("home")
     monkeypatch.setenv("FORGEPACK_HOME", str(home))
     monkeypatch.setenv("FORGEPACK_CACHE", str(tmp_path_factory.mktemp("cache")))
+    monkeypatch.setenv("FORGEPACK_PROBE_CACHE", str(probe_cache))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     yield home
 

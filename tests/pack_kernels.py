@@ -176,6 +176,26 @@ CUDA_KERNELS = [
     ("aten.rsqrt.default", "f32[1,32,1]", cuda_elementwise(1, "1.0f / sqrtf(v0)")),
 ]
 
+# A correct silu that spins first: 16 dependent FMAs per output element in every thread (about 150 us on
+# an H100 for the tiny Llama's 4096 elements, against a few us for stock's), so a model served with it is
+# slower by construction; `acc` never reaches -1, but the compiler cannot know it and keeps the loop.
+SLOW_CUDA_SILU = _CUDA_HEAD + """
+__global__ void k(const float* __restrict__ x, float* __restrict__ y, int n) {
+  int i = blockIdx.x * blockDim.x + threadIdx.x;
+  float acc = 0.0f;
+  for (int j = 0; j < n * 16; ++j) acc = fmaf(acc, 0.9999999f, 1e-7f);
+  if (i < n) { float v = x[i]; y[i] = acc == -1.0f ? 0.0f : v / (1.0f + expf(-v)); }
+}
+FP_EXPORT int32_t forgepack_kernel(const fp_call* c) {
+  if (c->abi_version != FP_ABI_VERSION || c->n_inputs != 1 || c->n_outputs != 1) return FP_ERR_ABI;
+  int n = 1;
+  for (int d = 0; d < c->outputs[0].ndim; ++d) n *= (int)c->outputs[0].sizes[d];
+  const float* x = (const float*)c->inputs[0].data;
+  k<<<(n + 255) / 256, 256, 0, (cudaStream_t)c->stream>>>(x, (float*)c->outputs[0].data, n);
+  return (int32_t)cudaGetLastError();
+}
+"""
+
 
 # --- a tiny-llama workspace with accepted kernels ---------------------------------------------------------
 

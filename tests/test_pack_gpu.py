@@ -14,7 +14,7 @@ import venv
 from pathlib import Path
 
 import pytest
-from pack_kernels import CUDA_KERNELS, tiny_llama_workspace
+from pack_kernels import CUDA_KERNELS, SLOW_CUDA_SILU, tiny_llama_workspace
 
 from forgepack.pack import gate as gate_mod
 from forgepack.pack.builder import build_pack
@@ -137,18 +137,16 @@ def test_cuda_gate_verifies_every_kernel_in_the_model_and_under_graph_replay(cud
     assert outcome.graphs is not None and outcome.graphs.enabled, outcome.graphs
 
 
-def test_cuda_gate_judges_pay_under_graph_replay_and_never_ships_a_slower_pack(cuda_pack, tmp_path):
-    _, ws, recipe, _ = cuda_pack
+def test_cuda_gate_never_ships_a_pack_that_is_slower_under_graph_replay(tmp_path):
+    """A correct kernel about 40x slower than stock's silu (`SLOW_CUDA_SILU`, accepted at margin -0.99): the
+    gate times the model under graph replay, as it is served, finds it slower with the kernel, drops the
+    kernel and writes no wheel. The slowdown is hundreds of microseconds a forward: no clock noise hides it."""
+    ws, recipe, _ = tiny_llama_workspace(tmp_path / "ws", entries=[("aten.silu.default", "f32[1,32,128]",
+                                                                      SLOW_CUDA_SILU)], target="cuda")
     result = build_pack(ws, recipe, margin=-0.99, gate=True, out_dir=tmp_path / "packs", rounds=3)
-    # every kernel was selected (margin -0.99): the gate decided on each, and only on pay, never on outputs
-    assert len(result.decisions) == len(CUDA_KERNELS)
-    # (tiny-llama's forward is capture-safe: a kernel is judged under graph replay, as it is served)
-    for d in result.dropped:
-        per_kernel = d.reason.startswith("does not pay end to end: the model")
-        assert "under CUDA graph replay" in d.reason if per_kernel else "pay" in d.reason, d.reason
-    assert (result.wheel is not None) == (result.gate == "passed")
-    if result.gate == "passed":  # what ships was timed as it is served and its interval lies above 1
-        s = result.gate_summary
-        assert result.kept and s.timed_under == "graphs" and s.pays and s.ci[0] > 1.0, s
-    else:  # no wheel; every kernel was dropped for pay (above), and the refusal says why
-        assert result.gate == "failed" and result.refused and not result.kept, (result.gate, result.refused)
+    assert result.gate == "failed" and result.wheel is None and not result.kept, (result.gate, result.refused)
+    assert result.refused, "a refused pack says why"
+    (dropped,) = result.dropped
+    assert dropped.reason.startswith("does not pay end to end: the model is"), dropped.reason
+    assert "faster without it under CUDA graph replay" in dropped.reason, dropped.reason
+    assert not list((tmp_path / "packs").glob("*.whl"))

@@ -129,7 +129,10 @@ def test_the_same_search_accepts_the_same_kernels_whatever_the_timing(profiled, 
     runs = [search_once(profiled, tmp_path / f"run{seed}", Jittered(local, measured, seed, margin))
             for seed in range(3)]
     (calls, accepted), *others = runs
-    assert accepted, "nothing accepted: the comparison would prove nothing"
+    # the fused RMSNorm and rotary replace six and sixteen calls with one: accepted by construction at
+    # either margin (3-10x alone on 2 cores, their serving cost counted), so there is always something to
+    # compare, whatever the clock does to the kernels near the margin
+    assert {"fusion_rmsnorm", "fusion_rotary"} <= {card_id.split("-")[0] for card_id, _ in accepted}, accepted
     for other_calls, other_accepted in others:
         assert other_calls == calls  # the same decisions, in the same order
         assert other_accepted == accepted

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -80,5 +82,35 @@ def test_bench_serve_peers_runs_every_column_in_its_own_process_on_the_trained_m
     for request in doc["eager_tokens"]:
         for row in request:
             assert trainedlm.follows_grammar(row), row
+    # no pack: the coverage process ran the stock trace twice, and nothing was replaced
+    assert "error" not in doc["coverage"], doc["coverage"]
+    assert doc["time_share"] == 0.0 and doc["call_share"] == 0.0
+    assert doc["coverage"]["stock_calls"] > 0 and doc["coverage"]["stock_ms"] > 0
     saved = json.loads((isolated_dirs / ".forgepack" / trained.name / "serve_bench.json").read_text())
     assert saved["columns"].keys() == cols.keys()
+
+
+@pytest.mark.slow  # about 35 s on 2 cores: two kernels evaluated, a shim compiled, the trace run three times
+def test_time_share_counts_the_stock_time_a_pack_replaces(tmp_path):
+    """A pack of two operator kernels (silu and mul at the tiny Llama's prefill signature), through
+    `python -m forgepack.servedshare` as the benchmark runs it: the calls it replaced are the calls its
+    kernels served, a share of the stock trace's calls and wall time strictly between 0 and 1."""
+    from pack_kernels import MUL, SILU, tiny_llama_workspace
+
+    from forgepack.pack.builder import build_pack
+
+    ws, recipe, _ = tiny_llama_workspace(tmp_path / "ws", entries=[
+        ("aten.silu.default", "f32[1,32,128]", SILU), ("aten.mul.Tensor", "f32[1,32,128], f32[1,32,128]", MUL)])
+    wheel = build_pack(ws, recipe, margin=-0.99, gate=False, out_dir=tmp_path / "packs").wheel
+    trace = tmp_path / "trace.json"
+    trace.write_text(json.dumps([{"id": 0, "batch": 1, "prompt": 32, "new": 3}]))  # the kernels' prefill
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "-m", "forgepack.servedshare", "--model", "tiny-llama", "--trace",
+                           str(trace), "--pack", str(wheel)], capture_output=True, text=True, env=env, timeout=600,
+                          check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    cov = json.loads(proc.stdout.strip().splitlines()[-1])
+    # tiny-llama's 2 layers: one silu and one gated mul each in the prefill; the decode steps' are [1,1,128]
+    assert cov["kernel_calls"] == cov["replaced_calls"] == 4, cov
+    assert 0 < cov["call_share"] < 0.05 and cov["call_share"] == round(4 / cov["stock_calls"], 4), cov
+    assert 0 < cov["time_share"] < 1 and 0 < cov["replaced_ms"] < cov["stock_ms"], cov

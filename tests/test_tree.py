@@ -23,11 +23,22 @@ def test_reward_is_normalised_log_speedup():
     assert normalised_reward(2.0, 4.0) == pytest.approx(0.75)
     assert normalised_reward(0.5, 4.0) == pytest.approx(0.25)
     assert normalised_reward(100.0, 4.0) == 1.0 and normalised_reward(0.001, 4.0) == 0.0
-    # the same relative gain scores the same on a 1 us op and a 1 ms op: no raw milliseconds
-    # (reward takes a ratio of times, so 1.5 us / 1.0 us and 1.5 ms / 1.0 ms score alike)
-    assert normalised_reward(1.5e-6 / 1.0e-6, 3.0) == pytest.approx(normalised_reward(1.5e-3 / 1.0e-3, 3.0))
     assert normalised_reward(1.5, 3.0) == pytest.approx((math.log(1.5) / math.log(3.0) + 1) / 2)
     assert doctest.testmod(tree_mod).failed == 0
+
+
+def test_a_node_scores_its_relative_gain_not_the_time_it_saves():
+    # a 1 us op made 1.5x faster and a 1 ms op made 1.5x faster score alike (no raw microseconds),
+    # and a 1 ms op saving 100 us (1.11x) scores below the 1 us op saving 0.5 us (1.5x)
+    t = Tree("c", ceiling=3.0)
+    rewards = {}
+    for cid, eager, kernel in ((1, 1.5, 1.0), (2, 1500.0, 1000.0), (3, 1000.0, 900.0)):
+        t.add(cid, None, "templates:t", {"i": cid})
+        node = t.record(cid, accepted=eager / kernel >= 1.05, category=None if eager / kernel >= 1.05 else "slower",
+                        speedup=eager / kernel, kernel_us=kernel, eager_us=eager)
+        rewards[cid] = node.reward
+    assert rewards[1] == pytest.approx(rewards[2]) == pytest.approx((math.log(1.5) / math.log(3.0) + 1) / 2)
+    assert rewards[3] < rewards[1]
 
 
 def test_root_first_then_progressive_widening():

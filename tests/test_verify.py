@@ -318,6 +318,8 @@ def test_outcomes_round_trip_their_json():
         outcomes.Verified(("fresh input (seed 1)", "large input (seed 7)"), {"0": 1e-7}, {"0": "rtol=1e-05"}, 40,
                           ("denormal input (seed 8)",)),
         outcomes.Timed(10.0, 5.0, 2.0, 1.8, 2.2, 100, "captured sample 0", 12, 401),
+        outcomes.Timed(10.0, 15.0, 0.667, 0.6, 0.7, 100, "captured sample 0", 12, 401, serving_us=9.5),
+        outcomes.ServingCost(9.5, ({"kind": "gated_mlp", "target": "m:C", "us": 9.5, "served_us": 13.0},)),
     ]
     for value in values:
         assert outcomes.from_json(json.loads(json.dumps(value.to_json()))) == value

@@ -90,12 +90,23 @@ def median_ci(values: list[float], n: int = 2000, alpha: float = 0.05, seed: int
     return statistics.median(values), meds[int(n * alpha / 2)], meds[int(n * (1 - alpha / 2)) - 1]
 
 
+ROUND_KEYS = ("calls", "new_calls", "evaluated", "tokens", "cost", "wall_s", "stopped", "estimated_gain")
+CARD_KEYS = ("card_id", "calls", "counts", "best_speedup", "gain")
+
+
 def compact(result: dict) -> dict:
-    """A search's figures without its per-card rows for cards that got no call, and without the plan."""
-    return {**{k: v for k, v in result.items() if k not in ("cards", "plan", "accepted")},
-            "cards": [c for c in result["cards"] if c["calls"]],
-            "accepted": [{k: a[k] for k in ("card_id", "speedup", "ci_low", "ci_high", "proposer", "candidate_id")}
-                         for a in result["accepted"]]}
+    """What the results keep of one arm's search in one round: its totals, why it stopped, its estimated
+    gain, and its accepted kernels as (card, speed-up); the per-card rows of the cards it called (the
+    markdown's last-round table reads them; `trim` drops them from the other rounds). No plan, no
+    per-candidate dump: the JSON of a 7-round, two-budget run stays a few tens of KB."""
+    return {**{k: result[k] for k in ROUND_KEYS if k in result},
+            "accepted": [[a["card_id"], round(a["speedup"], 4)] for a in result["accepted"]],
+            "cards": [{k: c[k] for k in CARD_KEYS if k in c} for c in result["cards"] if c["calls"]]}
+
+
+def trim(rounds: list[dict[str, dict]]) -> list[dict[str, dict]]:
+    """Every round but the last without its per-card rows."""
+    return [{arm: {k: v for k, v in rd[arm].items() if k != "cards"} for arm in rd} for rd in rounds[:-1]] + rounds[-1:]
 
 
 def one_arm(arm: str, r, ws, cards, facts, options: dict, args, stores: list[Store], tag: str,
@@ -150,7 +161,7 @@ def one_recipe(name: str, args: argparse.Namespace, root: Path) -> tuple[list[di
             for store in stores:
                 store.close()
             rounds.append(arms)
-        data = {"recipe": name, "budget": budget, "profile_s": profile_s, "cards": len(cards), "rounds": rounds,
+        data = {"recipe": name, "budget": budget, "profile_s": profile_s, "cards": len(cards), "rounds": trim(rounds),
                 "summary": summary(rounds)}
         results.append(data)
         text += markdown(name, data, {c.id: c for c in cards})
@@ -249,7 +260,8 @@ def main() -> int:
         done = f"{finished} of {len(args.recipes)} recipes"
         benchlib.write("search", {**info, "wall_s": wall, "allocator_ahead": ahead, "results": results,
                                   "args": vars(args)},
-                       md + f"total wall time: {wall:.0f} s ({done}); allocator ahead on every recipe: {ahead}\n")
+                       md + f"total wall time: {wall:.0f} s ({done}); allocator ahead on every recipe: {ahead}\n",
+                       indent=None)
     if not args.keep:
         shutil.rmtree(root, ignore_errors=True)
     else:

@@ -57,10 +57,11 @@ def header_md(title: str, info: dict[str, Any]) -> str:
             f"- torch: {info['torch']} (CUDA {info['cuda']})\n- command: `{info['command']}`\n\n")
 
 
-def write(name: str, data: dict[str, Any], markdown: str, quiet: bool = False) -> Path:
-    """`<out>/results/<name>.json` and `.md`; the markdown printed too unless `quiet`."""
+def write(name: str, data: dict[str, Any], markdown: str, quiet: bool = False, indent: int | None = 1) -> Path:
+    """`<out>/results/<name>.json` and `.md`; the markdown printed too unless `quiet`. `indent=None`
+    writes the JSON on one line (a results file of many rounds, read by programs more than people)."""
     folder = out_dir()
-    (folder / f"{name}.json").write_text(json.dumps(data, indent=1, default=str) + "\n")
+    (folder / f"{name}.json").write_text(json.dumps(data, indent=indent, default=str) + "\n")
     (folder / f"{name}.md").write_text(markdown)
     if not quiet:
         print(markdown)

@@ -128,6 +128,8 @@ def serve_table(doc: dict[str, Any], settings: servebench.ServeSettings) -> Tabl
         t.add_column(name, justify="left" if name in ("column", "note") else "right")
     for row in servebench.rows_of(doc):
         t.add_row(*("" if v is None or v is False else str(v) for v in row))
+    if doc.get("peers"):
+        t.caption = servebench.coverage_line(doc)
     if not doc["device"].startswith("cuda"):
         console.print(servebench.NO_CUDA)
     if settings.cold and not doc.get("peers"):
