@@ -732,15 +732,14 @@ def record_step(model: Any, rows: int, cache_len: int, prompt: int = 16, seed: i
     """One decode step of forgepack's decode loop (`runtime.decodeloop.run_step`), recorded as a program,
     after a prefill of `prompt` random tokens into a static cache of `cache_len` slots. The caller runs it
     under `torch.no_grad()` (as the loop does)."""
-    from transformers import StaticCache
-
     from forgepack.runtime import decodeloop
+    from forgepack.runtime.servereq import static_cache
     from forgepack.runtime.transformers_hooks import cache_kwarg_of
 
     device = next(model.parameters()).device
     vocab = int(model.config.get_text_config().vocab_size)
     gen = torch.Generator().manual_seed(seed)
-    cache = StaticCache(config=model.config, max_cache_len=cache_len)
+    cache = static_cache(model, cache_len)  # as the server makes it
     ids = torch.randint(0, vocab, (rows, prompt), generator=gen).to(device)
     model(input_ids=ids, use_cache=True, cache_position=torch.arange(prompt, device=device),
           **{cache_kwarg_of(model.forward): cache})
@@ -771,8 +770,13 @@ def build(model: Any, recipe: Any, device: torch.device, facts: Any, op_cards: l
     for k, (rows, length) in enumerate(points):
         if note is not None:
             note(f"decode blocks at batch {rows}, cache {length}", k, len(points))
-        with torch.no_grad():
-            program = record_step(model, rows, length)
+        try:
+            with torch.no_grad():
+                program = record_step(model, rows, length)
+        except Exception as err:  # a step the decode loop cannot run either (it falls back the same way)
+            skipped.append(Skipped(f"b{rows} c{length}", f"the decode step could not be recorded: "
+                                   f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"))
+            continue
         blocks, skip = find(program)
         skipped += [Skipped(f"b{rows} c{length}: {s.where}", s.reason) for s in skip]
         covered = sum(1 for b in blocks for i in b.nodes if program.steps[i].launches)

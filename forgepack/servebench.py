@@ -840,7 +840,19 @@ def markdown(header: str, results: dict, settings: ServeSettings, cuda: bool) ->
         text += f"## {name}\n\n" + tabulate(rows_of(res), headers=headers, tablefmt="github") + "\n\n"
         if res.get("peers"):
             text += coverage_line(res) + "\n\n"
+        text += launches_line(res)
     return text
+
+
+def launches_line(result: dict) -> str:
+    """Launches of one decode step per column and bucket the decode loop captured, stock beside the
+    pack's blocks (issue 41's goal: at most 7 a layer plus 3)."""
+    parts = []
+    for col, v in result["columns"].items():
+        programs = v.get("launches") or ((v.get("serving") or {}).get("decode_loop") or {}).get("programs") or {}
+        for bucket, p in sorted(programs.items()):
+            parts.append(f"{col} {bucket}: {p['launches']} stock, {p['with_blocks']} with {p['blocks']} blocks")
+    return ("decode step launches: " + "; ".join(parts) + "\n\n") if parts else ""
 
 
 if __name__ == "__main__":

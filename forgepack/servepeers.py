@@ -228,6 +228,15 @@ def run_trace(gen: Generate, ids_list: list, trace: list[dict], device) -> tuple
     return times, tokens, outs
 
 
+def loop_launches(model: Any, pack: Any) -> dict[str, dict[str, int]]:
+    """Per bucket the decode loop captured: launches of one step, stock and with the pack's blocks (empty
+    for a column that does not serve through forgepack's decode loop)."""
+    from forgepack import servebench
+
+    served = servebench.serving_of(pack).server(model)
+    return served.stats()["decode_loop"]["programs"] if served is not None else {}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--column", required=True, choices=PEERS)
@@ -263,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
                 break
             times, tokens, outs = run_trace(gen, ids_list, trace, device)
             emit("round", round_s=round(sum(times), 5), request_s=[round(t, 5) for t in times], tokens=tokens)
-        emit("done", **DynamoState.now().since(before), tokens=outs)
+        emit("done", **DynamoState.now().since(before), tokens=outs, launches=loop_launches(model, pack))
     return 0
 
 

@@ -411,3 +411,50 @@ def test_gpu_eos_and_early_stop(tiny_llama_dir):
     finally:
         serving.stop(model)
         serving.stop(other)
+
+
+@pytest.mark.parametrize("window,served", [(4096, True), (24, False)])
+def test_sliding_window_layers_whose_window_covers_the_cache_are_served_by_the_loop(tmp_path, window, served):
+    """Gemma-2 alternates sliding-window layers: a window covering the whole cache (the released 4096)
+    never rolls, so the loop serves the model, with stock's tokens and logits; a shorter window is left to
+    transformers' own loop, also with stock's tokens."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+    import heldout_models
+
+    path = heldout_models.save(tmp_path, "tiny-gemma2", sliding_window=window)
+    model, twin = load(path), load(path)
+    server = serving.serve(model, **EMU, **SMALL)
+    try:
+        ids = torch.randint(3, 256, (2, 12), generator=torch.Generator().manual_seed(0))
+        kw = dict(max_new_tokens=20, min_new_tokens=20, output_logits=True, return_dict_in_generate=True, **GREEDY)
+        out, ref = both(model, twin, ids, attention_mask=torch.ones_like(ids), **kw)
+        same(out, ref)
+        stats = server.stats()["decode_loop"]
+        assert (stats["requests"] == 1) == served, stats
+        assert ("cache layers other than full-attention static ones" in stats["fallbacks"]) != served, stats
+    finally:
+        serving.stop(model)
+
+
+def test_an_eager_attention_model_gets_an_additive_mask_in_the_prefill_and_every_step(tiny_llama_dir):
+    """Eager attention adds its 4-D mask to the scores: a boolean mask there adds 1 to the attended slots
+    and masks nothing (the loop's prefill gave such a model wrong logits from its first token)."""
+    from transformers import AutoModelForCausalLM
+
+    def eager():
+        return AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32,
+                                                    attn_implementation="eager").eval()
+
+    model, twin = eager(), eager()
+    server = serving.serve(model, **EMU, **SMALL)
+    try:
+        ids = torch.randint(3, 200, (2, 11), generator=torch.Generator().manual_seed(3))
+        kw = dict(max_new_tokens=12, min_new_tokens=12, output_logits=True, return_dict_in_generate=True, **GREEDY)
+        out, ref = both(model, twin, ids, attention_mask=torch.ones_like(ids), **kw)
+        same(out, ref)
+        assert server.stats()["decode_loop"]["requests"] == 1
+    finally:
+        serving.stop(model)

@@ -114,3 +114,13 @@ def test_time_share_counts_the_stock_time_a_pack_replaces(tmp_path):
     assert cov["kernel_calls"] == cov["replaced_calls"] == 4, cov
     assert 0 < cov["call_share"] < 0.05 and cov["call_share"] == round(4 / cov["stock_calls"], 4), cov
     assert 0 < cov["time_share"] < 1 and 0 < cov["replaced_ms"] < cov["stock_ms"], cov
+
+
+def test_the_report_gives_each_columns_decode_step_launches_stock_beside_the_packs_blocks():
+    res = {"columns": {"eager": {"tokens_per_s": 1.0},
+                       "pack+graphs": {"launches": {"b1 c256": {"launches": 120, "with_blocks": 42, "blocks": 13}}},
+                       "graphs": {"serving": {"decode_loop": {"programs": {}}}}}}
+    line = servebench.launches_line(res)
+    assert line.startswith("decode step launches: pack+graphs b1 c256: 120 stock, 42 with 13 blocks")
+    assert "graphs b1" not in line.replace("pack+graphs b1", "")
+    assert servebench.launches_line({"columns": {"eager": {}}}) == ""

@@ -35,11 +35,12 @@ MODELS = {
 }
 
 
-def save(root: Path, name: str, seed: int = 0) -> Path:
+def save(root: Path, name: str, seed: int = 0, **overrides) -> Path:
+    """The model's checkpoint under `root` (`overrides`: config values over the table's)."""
     import transformers
 
     arch, extra = MODELS[name]
-    values = {**COMMON, **extra}
+    values = {**COMMON, **extra, **overrides}
     config = transformers.AutoConfig.for_model(values.pop("model_type"), **values)
     torch.manual_seed(seed)
     path = root / name

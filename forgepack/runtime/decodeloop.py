@@ -287,6 +287,7 @@ class _Loop:
     graph: Captured | None = None
     warm: int = 0
     failed: str = ""  # why its steps run eagerly: "capture failed", "over max_bytes"
+    program: stepprogram.Program | None = None  # the recorded step with blocks in place (an active pack's)
 
 
 class DecodeLoop:
@@ -380,9 +381,12 @@ class DecodeLoop:
         batch, prompt = ids.shape
         positions = torch.arange(prompt, device=ids.device)
         causal = torch.arange(request.cache_len, device=ids.device) <= positions.unsqueeze(1)  # [prompt, slots]
+        mask = causal[None, None].repeat(batch, 1, 1, 1)  # as generate's for a static cache
+        dtype = additive_mask_dtype(self.server.model)
+        if dtype is not None:  # an eager attention adds its mask to the scores (`State.additive_mask`)
+            mask = torch.zeros(mask.shape, dtype=dtype, device=ids.device).masked_fill_(~mask, torch.finfo(dtype).min)
         call = {"input_ids": ids, "position_ids": positions.unsqueeze(0).repeat(batch, 1),
-                "attention_mask": causal[None, None].repeat(batch, 1, 1, 1),  # as generate's for a static cache
-                self.server.cache_key: request.cache, "use_cache": True}
+                "attention_mask": mask, self.server.cache_key: request.cache, "use_cache": True}
         if self.positions:
             call["cache_position"] = positions
         if self.keeps:
@@ -468,6 +472,7 @@ class DecodeLoop:
         rewritten, placed = stepprogram.rewrite(program, offered)
         self._programs[loop.bucket] = {"launches": program.launches(), "with_blocks": rewritten.launches(),
                                        "blocks": len(placed)}
+        loop.program = rewritten
         if not isinstance(self.backend, CudaBackend):
             # The emulation records aten calls, and a pack's kernel runs inside its op's C++ body, which a
             # dispatch mode never sees: the program itself is the replay (it calls the kernels each time).
@@ -504,6 +509,11 @@ class DecodeLoop:
                 "graphs": len(graphs), "graph_bytes": sum(g.nbytes for g in graphs),
                 "bytes": self.pool.bytes_of("loop"), "evictions": self.pool.evictions["loop"],
                 "failures": dict(self._failures), "programs": {k: dict(v) for k, v in self._programs.items()}}
+
+    def step_programs(self) -> dict[str, stepprogram.Program]:
+        """Per bucket, the last recorded step with the pack's blocks in place (each `Kernel` keeps the
+        calls it replaced, and its hits and misses): what `forgepack.stepcoverage` weighs."""
+        return {loop.bucket: loop.program for loop in self.pool.entries("loop") if loop.program is not None}
 
     def clear(self) -> None:
         """Drop every graph and buffer (the server's caches are going)."""

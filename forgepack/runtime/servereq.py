@@ -52,6 +52,21 @@ def _new_tokens(kwargs: dict, config: Any, prompt: int) -> int | None:
     return int(total) - prompt if total is not None else None
 
 
+def static_cache(model: Any, length: int) -> Any:
+    """A `StaticCache` of `length` slots for `model`, its sliding-window layers plain static ones where the
+    window covers the whole cache (the released Gemma-2 and Mistral windows, 4096, over caches up to that):
+    such a layer never fills and never rolls, and its sliding mask admits every slot the causal one does,
+    so the two layers give the same step; a plain one can be padded, captured and served by blocks."""
+    from transformers import StaticCache
+    from transformers.cache_utils import StaticLayer
+
+    cache = StaticCache(config=model.config, max_cache_len=length)
+    for i, layer in enumerate(cache.layers):
+        if type(layer).__name__ == "StaticSlidingWindowLayer" and layer.max_cache_len >= length:
+            cache.layers[i] = StaticLayer(max_cache_len=length)
+    return cache
+
+
 def _plain_static(cache: Any) -> bool:
     """Prompt padding needs full-attention static layers (a sliding window would roll padding in)."""
     layers = getattr(cache, "layers", None)

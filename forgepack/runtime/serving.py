@@ -82,6 +82,7 @@ from .servereq import (  # noqa: F401  (re-exported: tests and callers use servi
     _without_cache,
     cache_bytes,
     expected_cache_bytes,
+    static_cache,
 )
 
 _LOG = logging.getLogger(__name__)
@@ -313,13 +314,11 @@ class Server:
         # Tensors made under inference_mode cannot be written outside it (reset() would raise), so each
         # mode has caches of its own (their graphs are apart anyway: the mode is part of every key).
         key = _cache_key(rows, length, torch.is_inference_mode_enabled())
-        from transformers import StaticCache
-
         with self.pool._lock:
             cache = self.pool.get(key)
             if cache is not None:
                 return cache, ""
-            cache = StaticCache(config=self.model.config, max_cache_len=length)  # layers allocate on first use
+            cache = static_cache(self.model, length)  # layers allocate on first use
             nbytes = self._sizes.get(key) or expected_cache_bytes(self.model, cache, rows)
             if not self.pool.fits(nbytes):
                 limit = self.pool.max_bytes
