@@ -153,3 +153,19 @@ def test_a_card_the_gate_dropped_gets_no_more_calls_and_says_why(profiled, local
     _, calls, _, _ = search(profiled, tmp_path / "refused", make("templates", target="cpu"), local,
                             report=_gate_report(first, refused, refused=refused), budget=1)
     assert [c.card_id for c in calls] == [first]
+
+
+def test_no_call_goes_to_one_op_of_integer_bookkeeping(profiled, local, tmp_path):
+    """`generate()`'s cache positions and counters (an int64 `add` of one element): a kernel would trade
+    one launch for one launch; a float op beside it keeps its calls, and so does a fusion of such ops."""
+    import dataclasses
+
+    cards = Workspace(profiled).load_cards()
+    add = next(c for c in cards if c.op == "aten.add.Tensor" and c.kind != "fusion")
+    ints = dataclasses.replace(add, args=tuple(
+        dataclasses.replace(a, tensor=dataclasses.replace(a.tensor, dtype="int64")) if a.tensor else a
+        for a in add.args), outputs=tuple(dataclasses.replace(o, dtype="int64") for o in add.outputs))
+    assert run.bookkeeping_reason(ints) == run.BOOKKEEPING
+    assert run.bookkeeping_reason(add) is None
+    fused = next(c for c in cards if c.kind == "fusion")
+    assert run.bookkeeping_reason(dataclasses.replace(fused, outputs=ints.outputs)) is None

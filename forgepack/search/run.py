@@ -808,14 +808,31 @@ def similar_cards(card: Card, other: Card) -> bool:
 
 def unsearchable(workspace: Workspace, cards: Sequence[Card], proposer: Proposer, target: str) -> dict[str, str | None]:
     """Per card, why no call may go to it (None: calls may): the proposer cannot write its kernels, the
-    pack could never dispatch one (a factory op such as `arange` has no tensor to guard on), or the
+    pack could never dispatch one (a factory op such as `arange` has no tensor to guard on), it is one
+    op of integer bookkeeping (`bookkeeping_reason`), or the
     workspace's last pack dropped its kernel at the end-to-end gate (a faster kernel alone would not pay
     in the model either). Each reason is the allocator's drop reason, so the plan and `--explain` show it."""
     from forgepack.pack import shimgen
 
     includes = shimgen.torch_include_dirs()
     gated = gate_drops(workspace)
-    return {c.id: proposer.unsupported(c) or dispatch_reason(c, target, includes) or gated.get(c.id) for c in cards}
+    return {c.id: proposer.unsupported(c) or dispatch_reason(c, target, includes) or bookkeeping_reason(c)
+            or gated.get(c.id) for c in cards}
+
+
+BOOKKEEPING = "integer bookkeeping (generate()'s positions and counters): one stock launch for one kernel launch"
+
+
+def bookkeeping_reason(card: Card) -> str | None:
+    """Why a single op on integers only (cache positions, counters, index arithmetic: `generate()`'s own
+    and the decode loop's) gets no call: its kernel would replace one launch of a few elements with
+    another, a gain no budget should buy. A fusion of such calls still saves launches and may get calls."""
+    if card.kind == "fusion":
+        return None
+    metas = [m for m in card.tensor_inputs() if m is not None] + list(card.outputs)
+    if metas and all(m.dtype.startswith(("int", "uint")) or m.dtype == "bool" for m in metas):
+        return BOOKKEEPING
+    return None
 
 
 def dispatch_reason(card: Card, target: str, includes: list[Path] | None = None) -> str | None:
