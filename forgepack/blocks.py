@@ -728,6 +728,27 @@ def decode_points(recipe: Any, model: Any) -> list[tuple[int, int]]:
     return [(r, c) for r in rows for c in lengths]
 
 
+def _step_weights(recipe: Any, points: list[tuple[int, int]]) -> dict[tuple[int, int], int]:
+    """How many of the profile's decode steps each recorded point stands for, so that a block's share is
+    weighed like the forward calls it replaces: a decode recipe profiles one step; a generate envelope's
+    capture runs `new_tokens - 1` steps at each of its points, which fall in the points' batch buckets
+    (shared out over the cache lengths recorded for that bucket)."""
+    from forgepack.models import envelope_points
+    from forgepack.runtime import serving
+
+    w = recipe.workload
+    if w.phase != "generate":
+        return {p: 1 for p in points}
+    opts = serving.ServeOptions()
+    steps = max(w.new_tokens - 1, 1)
+    out = {}
+    for rows, length in points:
+        captured = sum(1 for e in envelope_points(w) if (opts.batch_bucket(e["batch"]) or e["batch"]) == rows)
+        lengths = sum(1 for r, _ in points if r == rows)
+        out[(rows, length)] = max(1, round(captured * steps / lengths))
+    return out
+
+
 def record_step(model: Any, rows: int, cache_len: int, prompt: int = 16, seed: int = 0) -> Program:
     """One decode step of forgepack's decode loop (`runtime.decodeloop.run_step`), recorded as a program,
     after a prefill of `prompt` random tokens into a static cache of `cache_len` slots. The caller runs it
@@ -766,6 +787,7 @@ def build(model: Any, recipe: Any, device: torch.device, facts: Any, op_cards: l
     sample_sets: dict[str, list] = {}
     skipped: list[Skipped] = []
     points = decode_points(recipe, model)
+    weights = _step_weights(recipe, points)
     launches: dict[str, tuple[int, int]] = {}
     for k, (rows, length) in enumerate(points):
         if note is not None:
@@ -782,9 +804,9 @@ def build(model: Any, recipe: Any, device: torch.device, facts: Any, op_cards: l
         covered = sum(1 for b in blocks for i in b.nodes if program.steps[i].launches)
         launches[f"b{rows} c{length}"] = (program.launches(), program.launches() - covered + len(blocks))
         for block in blocks:
-            card = make_card(program, block)
+            card = dataclasses.replace(make_card(program, block), calls=weights[(rows, length)])
             if card.id in sample_sets:
-                found = [dataclasses.replace(c, calls=c.calls + 1) if c.id == card.id else c for c in found]
+                found = [dataclasses.replace(c, calls=c.calls + card.calls) if c.id == card.id else c for c in found]
                 continue
             found.append(card)
             sample_sets[card.id] = _sample(program, block)

@@ -408,3 +408,21 @@ def test_every_block_cuda_render_is_verified_and_timed_on_the_gpu(arch):
     bad = {k: v.reason for k, v in verdicts.items() if v.category is not None}
     assert not bad, bad
     print({k: round(v.speedup, 2) for k, v in verdicts.items()})
+
+
+def test_a_block_weighs_as_many_decode_steps_as_the_profile_ran():
+    """A generate envelope's capture runs `new_tokens - 1` decode steps at each point: a block recorded
+    once per batch bucket stands for all of them (else the search never reaches the decode's bytes);
+    a decode recipe profiles one step."""
+    from forgepack import models, recipe
+
+    base = recipe.resolve("tiny-llama")
+    env = base.replace(workload={"phase": "generate", "batch": recipe.Range(1, 2), "seq_len": recipe.Range(8, 16),
+                                 "new_tokens": 9, "static_cache": False})
+    points = [(1, 256), (2, 256), (2, 1024)]
+    weights = blocks._step_weights(env, points)
+    captured = models.envelope_points(env.workload)
+    ones = sum(1 for p in captured if p["batch"] == 1)
+    assert weights[(1, 256)] == ones * 8
+    assert weights[(2, 256)] == weights[(2, 1024)] == round((len(captured) - ones) * 8 / 2)
+    assert blocks._step_weights(base, points) == {p: 1 for p in points}
