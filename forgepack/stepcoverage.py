@@ -14,13 +14,20 @@ from __future__ import annotations
 
 import contextlib
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from forgepack.runtime.stepprogram import Call, Kernel, Program, _run_node
+from forgepack.runtime.stepprogram import Call, Kernel, Program
+
+
+def _module_of(program: Program):
+    """The step-program module that recorded `program`: a pack serves with its own copy of the runtime,
+    whose `Kernel` and `Val` are its own classes."""
+    return sys.modules[type(program).__module__]
 
 
 @dataclass(frozen=True)
@@ -53,17 +60,18 @@ class StepCoverage:
 def stock_calls(program: Program) -> list[tuple[Call, Kernel | None]]:
     """The stock step in order: each call, with the kernel that replaced it (None: it runs as recorded)."""
     out: list[tuple[Call, Kernel | None]] = []
+    kernel_type = _module_of(program).Kernel
     for step in program.steps:
-        if isinstance(step, Kernel):
+        if isinstance(step, kernel_type):
             out += [(c, step) for c in step.fallback]
         else:
             out.append((step, None))
     return out
 
 
-def time_call(call: Call, env: list, reps: int = 20, rounds: int = 5) -> float:
+def time_call(call: Call, env: list, run, reps: int = 20, rounds: int = 5) -> float:
     """Microseconds one call takes, replayed `reps` times a round (the median round), on `env`'s values;
-    the tensors it writes are put back after."""
+    the tensors it writes are put back after (`run`: its module's call runner)."""
     cuda = any(env[v] is not None and env[v].is_cuda for v in call.reads)
     per_round = []
     with _restored(call, env):
@@ -72,7 +80,7 @@ def time_call(call: Call, env: list, reps: int = 20, rounds: int = 5) -> float:
                 torch.cuda.synchronize()
             start = time.perf_counter()
             for _ in range(reps):
-                _run_node(call, env)
+                run(call, env)
             if cuda:
                 torch.cuda.synchronize()
             per_round.append((time.perf_counter() - start) / reps * 1e6)
@@ -99,20 +107,21 @@ def measure(bucket: str, program: Program, pack: Any = None) -> StepCoverage:
     with its op-level kernels off (stock time), and a call not inside a block counts as served when its
     run moves their hits."""
     calls = stock_calls(program)
+    run = _module_of(program)._run_node
     env: list = list(program.values)
     by_op: dict[str, list[float]] = {}
     stock = covered = 0.0
     for call, kernel in calls:
         if pack is not None:
             pack.enable_only(set())
-        us = time_call(call, env)
+        us = time_call(call, env, run)
         served = kernel is not None and kernel.hits > 0 and kernel.misses == 0
         if pack is not None:
             pack.enable_only(None)
             if not served and call.launches:
                 before = op_hits(pack)
                 with _restored(call, env):
-                    _run_node(call, env)
+                    run(call, env)
                 served = op_hits(pack) > before
         stock += us
         covered += us if served else 0.0
@@ -121,6 +130,7 @@ def measure(bucket: str, program: Program, pack: Any = None) -> StepCoverage:
         row[1] += us
         row[2] += us if served else 0.0
     ops = tuple(sorted((OpShare(n, int(c), u, cv) for n, (c, u, cv) in by_op.items()), key=lambda o: -o.us))
-    blocks = tuple(s.name for s in program.steps if isinstance(s, Kernel))
+    kernel_type = _module_of(program).Kernel
+    blocks = tuple(s.name for s in program.steps if isinstance(s, kernel_type))
     return StepCoverage(bucket, stock, covered, sum(1 for c, _ in calls if c.launches), program.launches(), blocks,
                         ops)
