@@ -9,7 +9,12 @@
 #   bash tools/gpu_check.sh 0:search=llama-1b-prefill,packs=gpt2 1:search=resnet-50   # per-lane recipes
 #   PACK_BUDGET=48 PACK_TIME=280 bash tools/gpu_check.sh 0:packs=llama-1b-prefill+gpt2         # first call
 #   PACK_BUDGET=48 PACK_TIME=280 bash tools/gpu_check.sh 0:packs=resnet-50+qwen2-0.5b-prefill  # and call 2
-#   # still to measure: the Qwen2 envelope pack within 3% of the
+#   # still to measure (issue 39), first: the decode blocks placed in the served step on a GPU (blocks placed at
+#   # 4997d3d on the CPU only), pack+graphs beside graphs and compiled-loop at b1 and b8, the eager-attention
+#   # render's and the norm-free SDPA render's CUDA paths (compiled in CI, never run), the GPU tests:
+#   FORGEPACK_COMMIT=<sha> DEADLINE=570 DECODE_BUDGET=16 DECODE_LIMIT=150 DECODE_BATCHES=1,8 DECODE_PROMPTS=128,1024 \
+#     DECODE_ROUNDS=5 bash tools/gpu_check.sh tests=blocks+pack_gpu+decodeloop decode=llama-1b-decode
+#   # then the Qwen2 envelope pack within 3% of the
 #   # exact pack at its prefill shape, now that the rotary folds over batch and tokens (on the CPU it fuses what the
 #   # exact pack fuses: benchmarks/2026-12-05-cpu-parity); one call (about 560 s), then the Llama twin, then
 #   # `tests=fusion_families` (the size-generic rotary's CUDA cases)
