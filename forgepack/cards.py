@@ -590,3 +590,38 @@ def save(card: Card, path: str | Path) -> None:
 
 def load(path: str | Path) -> Card:
     return from_json(json.loads(Path(path).read_text()))
+
+
+# Ops that pass a tensor's values through unchanged (a view, a copy of the same dtype).
+_PASS_THROUGH = {"aten.view.default", "aten._unsafe_view.default", "aten.reshape.default", "aten.t.default",
+                 "aten.transpose.int", "aten.permute.default", "aten.expand.default", "aten.squeeze.dim",
+                 "aten.unsqueeze.default", "aten.alias.default", "aten.clone.default", "aten.contiguous.default"}
+_UPCASTS = {"aten._to_copy.default", "aten.to.dtype", "aten.to.dtype_layout"}
+_PRECISION = {"bfloat16": 0, "float16": 1, "float32": 2, "float64": 3}
+
+
+def judged_dtypes(card: Card) -> tuple[str, ...]:
+    """The dtype whose tolerance judges each output: its own, except where a fusion's output is a
+    narrower float's value widened (Gemma-2's residual, summed in bf16, handed to the next layer's norm
+    as fp32). Widening adds no digits: stock's fp32 value is a bf16 sum's rounding, and a kernel that
+    sums in another order lands an ulp of bf16 away, which fp32's tolerance would call wrong."""
+    if card.fusion is None:
+        return tuple(o.dtype for o in card.outputs)
+    return tuple(_narrowest_source(card, ref, o.dtype) for ref, o in zip(card.fusion.outputs, card.outputs,
+                                                                           strict=True))
+
+
+def _narrowest_source(card: Card, ref: tuple, dtype: str) -> str:
+    while ref and ref[0] == "t":
+        entry = card.chain[ref[1]]
+        source = entry.args[0].ref if entry.args and entry.args[0].kind == "tensor" else ()
+        if entry.op not in _PASS_THROUGH | _UPCASTS or not source:
+            break
+        ref = source
+        if source[0] == "t":
+            narrower = card.chain[source[1]].outs[source[2]].dtype
+        else:
+            narrower = card.tensor_inputs()[source[1]].dtype
+        if entry.op in _UPCASTS and _PRECISION.get(narrower, 99) < _PRECISION.get(dtype, -1):
+            dtype = narrower
+    return dtype

@@ -56,7 +56,7 @@ import torch
 
 from forgepack import opcall, timing
 from forgepack import samples as samples_mod
-from forgepack.cards import DTYPE_CODES, FLOAT_DTYPES, Card, TensorMeta
+from forgepack.cards import DTYPE_CODES, FLOAT_DTYPES, Card, TensorMeta, judged_dtypes
 from forgepack.outcomes import STOCK_DIFFERS, STOCK_FAILED, Failure, Timed, Verified
 from forgepack.runtime import compare as judge
 from forgepack.runtime import tolerances
@@ -556,6 +556,7 @@ class Harness:
         self.scalars = card.scalars()
         self.side = torch.cuda.Stream(device) if self.cuda else None
         self.max_err: dict[int, float] = {}
+        self.judged = judged_dtypes(card)  # the dtype whose tolerance judges each output
         self.rng = random.Random(seed * 2654435761 + 97)
         self.poison = Poison(self.rng)
         self.guard_byte = self.rng.randrange(256)
@@ -685,20 +686,20 @@ class Harness:
             pview = _view_of(o, filled)
             unwritten = (_bits_of(view) == pview) & (_bits_of(s.reference[j].to(view.dtype)) != pview)
             if bool(unwritten.any()):
-                unwritten &= ~_close_to(view, s.reference[j], o.meta.dtype, _input_scale(s))
+                unwritten &= ~_close_to(view, s.reference[j], self.judged[j], _input_scale(s))
             count = int(unwritten.sum())
             if count:
                 flat = int(unwritten.reshape(-1).nonzero()[0])
                 return fail("mismatch", f"left {count} of {o.meta.numel} elements of output {j} unwritten on the "
                                         f"{where}", output=j, unwritten=count, of=o.meta.numel,
                             first_index=_index(flat, o.meta.shape), input_set=s.label)
-            diag = compare(view, s.reference[j], o.meta.dtype, is_statistic(self.card.op, j), _input_scale(s))
+            diag = compare(view, s.reference[j], self.judged[j], is_statistic(self.card.op, j), _input_scale(s))
             if diag is not None and o.meta.dtype in FLOAT_DTYPES:
-                diag = compare(view, s.reference[j], o.meta.dtype, is_statistic(self.card.op, j), _input_scale(s),
+                diag = compare(view, s.reference[j], self.judged[j], is_statistic(self.card.op, j), _input_scale(s),
                                self.exact_of(s)[j])
             if diag is not None:
                 return fail("mismatch", _mismatch_reason(j, diag, where), output=j, input_set=s.label, **diag)
-            self.max_err[j] = max(self.max_err.get(j, 0.0), _max_error(view, s.reference[j], o.meta.dtype))
+            self.max_err[j] = max(self.max_err.get(j, 0.0), _max_error(view, s.reference[j], self.judged[j]))
         return None
 
     def check_same(self, s: InputSet, snaps: list[torch.Tensor], outs: list[Guarded], what: str) -> Failure | None:
@@ -874,7 +875,7 @@ def verify(card: Card, fn, samples_path: Path | None, device: torch.device | str
     return Verified(
         input_sets=tuple(s.label for s in sets),
         max_abs_err={str(j): e for j, e in h.max_err.items()},
-        tolerances={str(j): tolerances.describe(m.dtype) for j, m in enumerate(card.outputs)},
+        tolerances={str(j): tolerances.describe(d) for j, d in enumerate(judged_dtypes(card))},
         calls=h.calls,
         skipped_sets=tuple(skipped),
     )

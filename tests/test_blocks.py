@@ -426,3 +426,18 @@ def test_a_block_weighs_as_many_decode_steps_as_the_profile_ran():
     assert weights[(1, 256)] == ones * 8
     assert weights[(2, 256)] == weights[(2, 1024)] == round((len(captured) - ones) * 8 / 2)
     assert blocks._step_weights(base, points) == {p: 1 for p in points}
+
+
+def test_a_widened_narrow_value_is_judged_at_the_narrow_dtypes_tolerance():
+    """Gemma-2's proj_add hands the next layer's norm the bf16 residual sum widened to fp32: the value
+    carries bf16's digits, so the verifier and the pack's self-test judge it with bf16's tolerance; an
+    fp32 output computed in fp32 keeps fp32's."""
+    from forgepack.cards import judged_dtypes
+    from forgepack.pack import builder
+
+    gemma = {c.fusion.pattern: c for c in cards_of(program_of(tiny("gemma2", torch.bfloat16)))}
+    proj = gemma["proj_add"]
+    assert [o.dtype for o in proj.outputs] == ["float32"] and judged_dtypes(proj) == ("bfloat16",)
+    assert builder._tolerance(proj)[0].rtol == 1.6e-2 and builder._tolerance(proj)[0].dtype == "float32"
+    qwen = {c.fusion.pattern: c for c in cards_of(program_of(tiny("qwen2", torch.float32)))}
+    assert all(judged_dtypes(c) == tuple(o.dtype for o in c.outputs) for c in qwen.values())

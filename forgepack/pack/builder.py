@@ -37,7 +37,7 @@ from forgepack import __version__, families, models, packreport
 from forgepack import accepted as accepted_mod
 from forgepack import recipe as recipe_mod
 from forgepack.accepted import AcceptedKernel
-from forgepack.cards import Card
+from forgepack.cards import Card, judged_dtypes
 from forgepack.errors import ForgepackError
 from forgepack.pack import fusedgen, shimgen
 from forgepack.pack import gate as gate_mod
@@ -160,8 +160,8 @@ def _select_reason(ws, k: AcceptedKernel, card: Card | None, target: str, arch: 
 
 def _tolerance(card: Card) -> tuple[OutputTolerance, ...]:
     out = []
-    for o in card.outputs:
-        tol = tolerances.tolerance(o.dtype)
+    for o, judged in zip(card.outputs, judged_dtypes(card), strict=True):
+        tol = tolerances.tolerance(judged)
         out.append(OutputTolerance(o.dtype) if tol is None else OutputTolerance(o.dtype, tol.rtol, tol.atol))
     return tuple(out)
 
