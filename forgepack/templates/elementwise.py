@@ -11,7 +11,9 @@ split between them (`order`: one job after another, or their blocks round-robin 
 streams at once). Binary ops and cat also search the cache policy of their vector loads (`ld`: plain,
 read-only with no L1 line and 256-byte L2 fetches, or evict-first) and stores (`st`: plain or
 evict-first). A copy that transposes goes through a shared-memory tile (`tile`, `vec`-element vectors
-on both sides, `group`ed block order) instead: see `render_transpose`.
+on both sides, `group`ed block order) instead: see `render_transpose`. On the cpu the jobs are nested
+loops over the coalesced dims; the search chooses the innermost loop's unroll hint and whether it runs
+in strips of `vec` elements (`CPU_VECS`).
 
 Arithmetic follows aten: inputs are cast to the common dtype (the output's), computed in float
 (opmath), rounded once; a Python-number operand stays unrounded in float, as aten's
@@ -118,17 +120,28 @@ def vec_axis(jobs: list[Job]) -> list[int]:
 
 
 CPU_UNROLLS = (1, 2, 4, 8)  # the innermost loop's unroll hint on the cpu target (1: none, the compiler's choice)
+# The innermost loop strip-mined into strips of `vec` elements (1: one plain loop), each strip loaded
+# into stack arrays, computed, then stored: the compute runs on local arrays no store can alias, so the
+# compiler vectorises it without run-time overlap checks, even where a strided or broadcast load keeps
+# the loads scalar; the loads of a strip are issued before any of its stores.
+CPU_VECS = (1, 4, 8, 16)
+
+
+def cpu_vec_axis(jobs: list[Job]) -> list[int]:
+    """Strip widths no longer than the longest innermost dim of the jobs (a longer strip is all tail)."""
+    inner = max(j.shape[-1] if j.shape else 1 for j in jobs)
+    return [v for v in CPU_VECS if v == 1 or v <= inner]
 
 
 def pointwise_axes(jobs: list[Job], target: str) -> dict[str, list]:
     if target == "cpu":
-        return {"unroll": list(CPU_UNROLLS)}
+        return {"unroll": list(CPU_UNROLLS), "vec": cpu_vec_axis(jobs)}
     return {"block": list(BLOCKS), "vec": vec_axis(jobs), "unroll": list(UNROLLS)}
 
 
 def pointwise_default(jobs: list[Job], axes: dict[str, list], target: str) -> dict:
     if target == "cpu":
-        return {"unroll": 1}
+        return {"unroll": 1, "vec": 1}
     vec = axes["vec"][-1]
     numel = max(j.numel for j in jobs)
     block = 256
@@ -219,8 +232,8 @@ def render_pointwise(card: Card, target: str, jobs: list[Job], params: dict) -> 
     itype = max((index_type(j.shape, j.views()) for j in jobs), key=lambda t: t == "uint64_t")
     head = prelude(target) + f"\ntypedef {itype} fp_idx;\nstruct fp_args {{ {' '.join(fields)} }};\n"
     if target == "cpu":
-        unroll = params.get("unroll", 1)
-        return head + "".join(_cpu_job(k, j, itype, unroll) for k, j in enumerate(jobs)) + entry(
+        unroll, vec = params.get("unroll", 1), params.get("vec", 1)
+        return head + "".join(_cpu_job(k, j, itype, unroll, vec) for k, j in enumerate(jobs)) + entry(
             card, target, "fp_args p;\n  " + "\n  ".join(inits) + "\n  "
             + " ".join(f"fp_job{k}(p);" for k in range(len(jobs))) + "\n  " + launch_status(target))
     block, unroll = params["block"], params["unroll"]
@@ -275,13 +288,17 @@ def _dispatch(jobs: list[Job], vecs: list[int], per_block: int, itype: str, orde
     return "\n".join(lines)
 
 
-def _cpu_job(k: int, job: Job, itype: str, unroll: int = 1) -> str:
+def _cpu_job(k: int, job: Job, itype: str, unroll: int = 1, vec: int = 1) -> str:
     """Nested loops over the coalesced dims (offsets kept incrementally by the compiler). `unroll` > 1
-    asks the compiler to unroll the innermost loop that many times: whether it pays depends on the
-    expression and the row length, so it is a search axis, not a rule."""
+    asks the compiler to unroll the innermost loop that many times, `vec` > 1 strip-mines it
+    (`CPU_VECS`): whether either pays depends on the expression and the row length, so they are search
+    axes, not rules."""
     nd = len(job.shape)
     loops, close = [], []
+    strips = vec > 1 and nd > 0 and job.shape[-1] >= vec
     for d, n in enumerate(job.shape):
+        if strips and d == nd - 1:
+            break
         if d == nd - 1 and unroll > 1:
             loops.append(" " * (2 + 2 * d) + f"#pragma GCC unroll {unroll}")
         loops.append(" " * (2 + 2 * d) + f"for ({itype} c{d}_ = 0; c{d}_ < {n}u; ++c{d}_) {{")
@@ -301,10 +318,48 @@ def _cpu_job(k: int, job: Job, itype: str, unroll: int = 1) -> str:
         loads = " ".join(f"const float a{i} = fp_ld(p.in{s}[{off(v)}]);"
                          for i, (v, s) in enumerate(zip(job.ins, job.in_slots, strict=True)))
         stmt = f"{loads} p.out{job.out_slot}[{off(job.out)}] = fp_st<{out_t}>({job.expr});"
+    if strips:  # the outer loops, then the innermost dim's strips
+        outer = [" " * (2 + 2 * d) + "}" for d in reversed(range(nd - 1))]
+        return (f"\nstatic void fp_job{k}(const fp_args& p) {{\n" + "".join(ln + "\n" for ln in loops)
+                + _cpu_strips(job, itype, unroll, vec, off, stmt, " " * (2 * nd)) + "".join("\n" + ln for ln in outer)
+                + "\n}\n")
     return (
         f"\nstatic void fp_job{k}(const fp_args& p) {{\n" + "\n".join(loops) + f"\n{ind}{stmt}\n"
         + "\n".join(close) + "\n}\n"
     )
+
+
+def _cpu_strips(job: Job, itype: str, unroll: int, vec: int, off, stmt: str, ind: str) -> str:
+    """The innermost loop in strips of `vec` (loads into stack arrays, compute, stores), then the
+    remaining elements one by one with `stmt`."""
+    d = len(job.shape) - 1
+    n = job.shape[-1]
+    whole = n - n % vec
+    c = f"c{d}_"
+    out_t = ctype(job.out.dtype, "cpu")
+    step = f"for (int k_ = 0; k_ < {vec}; ++k_) {{ const {itype} {c} = b_ + (unsigned)k_; (void){c};"
+    if job.expr is None:
+        in_t = ctype(job.ins[0].dtype, "cpu")
+        arrays = f"{in_t} a0_[{vec}];"
+        loads = f"a0_[k_] = p.in{job.in_slots[0]}[{off(job.ins[0])}];"
+        compute = f"{out_t} r_[{vec}]; for (int k_ = 0; k_ < {vec}; ++k_) r_[k_] = a0_[k_];"
+    else:
+        arrays = " ".join(f"float a{i}_[{vec}];" for i in range(len(job.ins)))
+        loads = " ".join(f"a{i}_[k_] = fp_ld(p.in{s}[{off(v)}]);"
+                         for i, (v, s) in enumerate(zip(job.ins, job.in_slots, strict=True)))
+        args = " ".join(f"const float a{i} = a{i}_[k_];" for i in range(len(job.ins)))
+        compute = (f"{out_t} r_[{vec}];\n#pragma GCC unroll {vec}\n{ind}  for (int k_ = 0; k_ < {vec}; ++k_) "
+                   f"{{ {args} r_[k_] = fp_st<{out_t}>({job.expr}); }}")
+    lines = []
+    if unroll > 1:
+        lines.append(f"{ind}#pragma GCC unroll {unroll}")
+    lines += [f"{ind}for ({itype} b_ = 0; b_ < {whole}u; b_ += {vec}u) {{",
+              f"{ind}  {arrays}", f"#pragma GCC unroll {vec}", f"{ind}  {step} {loads} }}",
+              f"{ind}  {compute}", f"#pragma GCC unroll {vec}",
+              f"{ind}  {step} p.out{job.out_slot}[{off(job.out)}] = r_[k_]; }}", f"{ind}}}"]
+    if whole < n:
+        lines.append(f"{ind}for ({itype} {c} = {whole}u; {c} < {n}u; ++{c}) {{ {stmt} }}")
+    return "\n".join(lines)
 
 
 # --- the templates -----------------------------------------------------------------------------------
@@ -332,15 +387,15 @@ class PointwiseTemplate(Template):
         return FamilyPlan(plan, tuple(jobs))
 
     def family_axes(self, plan, target):
-        if target == "cpu":
-            return {}
+        if target == "cpu":  # the row loop's unroll hint (`generic._cpu_job`)
+            return {"unroll": list(CPU_UNROLLS)}
         smallest = min(DTYPE_SIZES[d] for j in plan.info for d in (j.out_dtype, *j.in_dtypes))
         return {"block": list(BLOCKS), "vec": [v for v in (1, 2, 4, 8, 16) if v * smallest <= 16],
                 "unroll": list(FAMILY_UNROLLS)}
 
     def family_default(self, plan, axes, target):
         if target == "cpu":
-            return {}
+            return {"unroll": 1}
         return {**{k: v[0] for k, v in axes.items()}, "block": 256, "vec": axes["vec"][-1]}
 
     def family_emit(self, card, plan, target, params):

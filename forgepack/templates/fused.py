@@ -13,6 +13,9 @@ card's inputs or to earlier calls. Three programs cover the chains the reference
 - `fused.indexed`: any chain of elementwise ops, views (slice, unsqueeze, expand, transpose, view) and
   cats: rotary embedding of q and k (rotate_half is slice, neg, cat) in one launch for both outputs,
   rotary cos/sin tables. Every output element evaluates the chain through index math; scalar loads.
+  On the cpu the search chooses how the elements are walked (`_cpu_walks`: one flat loop decoding each
+  index, or nested loops split where a cat switches inputs), whether outputs of one shape share a walk
+  (`_cpu_functions`: the cos and sin tables then cost one sincosf an element) and the loops' unroll hint.
 
 Family fusion cards (the same chain at several sizes, `forgepack.families`): `fused.rows` renders the
 row program with the row length fixed and the rows read at run time; `fused.pointwise` the size-generic
@@ -29,6 +32,7 @@ functions aten calls (tanhf, expf, ...), reductions accumulate in float.
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 from dataclasses import dataclass
@@ -346,16 +350,12 @@ class PointwiseFusion(FusedTemplate):
             forms = forms[:1]
         return {form: [_pointwise_job(card, chain, target, form)] for form in forms}
 
-    def axes(self, plan, target):
-        if target == "cpu":
-            return {}
+    def axes(self, plan, target):  # on the cpu: the elementwise loops' `unroll` and strips (`vec`)
         first = next(iter(plan.values()))
         axes = ew.pointwise_axes(first, target)
         return {"form": list(plan), **axes} if len(plan) > 1 else axes
 
     def pick_default(self, plan, axes, target):
-        if target == "cpu":
-            return {}
         first = next(iter(plan.values()))
         params = ew.pointwise_default(first, {k: v for k, v in axes.items() if k != "form"}, target)
         return {"form": next(iter(plan)), **params} if len(plan) > 1 else params
@@ -553,6 +553,7 @@ class _Emitter:
     def __init__(self, card: Card, chain: list[Entry], target: str, itype: str):
         self.card, self.chain, self.target, self.itype = card, chain, target, itype
         self.count = 0
+        self.cuts: dict[int, set[int]] = {}  # dim -> where a cat switches inputs along its bare coordinate
 
     def fresh(self) -> str:
         self.count += 1
@@ -685,6 +686,9 @@ class _Emitter:
             body: list[str] = []
             value, _ = self.value(ref, sub, body, dict(memo))  # names made inside a branch stay there
             cond = f"{idx[d]} < {start + _fixed(part[d], 'a cat')}u"
+            bare = re.fullmatch(r"c(\d+)_", idx[d])
+            if bare:  # the cpu's nested loops split there, and each piece loses the branch (`_cpu_walks`)
+                self.cuts.setdefault(int(bare[1]), set()).add(start + part[d])
             branches.append((cond, [*body, f"{name} = {value};"]))
             start += part[d]
         if start != _fixed(shape[d], "a cat"):
@@ -701,18 +705,157 @@ class _Emitter:
         return name
 
 
-def _bodies(card: Card, target: str, emitter, coords, store) -> list[tuple[TensorMeta, list[str]]]:
+# `#pragma GCC unroll N` on the innermost loops. 0: a flat loop gets no hint (-O3 does not unroll it), a
+# nested one `unroll 1`: left to itself the compiler peels a short loop (half a head's 16 elements)
+# completely, after which it vectorises neither the loop nor the peeled copies; kept a loop, the
+# vectoriser takes it whole.
+CPU_UNROLLS = (0, 2, 4, 8)
+# one flat loop per output, no hint (and `merge` 0 where outputs share a walk: `IndexedFusion.axes`)
+CPU_INDEXED_DEFAULT = {"nest": 0, "unroll": 0}
+
+
+@dataclass(frozen=True)
+class Walk:
+    """How the cpu render walks one output: its dims outermost first in memory (`order`), its sizes (an
+    int, or a family dim's name read at run time), how many statements of its body decode the
+    element's coordinates from its index (`head`: left out where loops supply the coordinates), where
+    a cat in the chain switches inputs along a bare coordinate (`cuts`), the variable holding the
+    element's value at the end of the body and the store of it."""
+
+    order: tuple[int, ...]
+    shape: tuple
+    head: int
+    cuts: tuple[tuple[int, tuple[int, ...]], ...]  # (dim, positions)
+    value: str
+    store: str  # the element written: "p.out<j>[offset]"
+    ctype: str
+
+    @property
+    def depth(self) -> int:
+        """Dims a nested walk can loop over (size-1 dims have the one coordinate 0)."""
+        return sum(1 for n in self.shape if n != 1)
+
+
+def _cpu_plain(params: dict) -> bool:
+    """Whether a cpu point is the render from before the cpu axes: one flat loop per output, no hint."""
+    return not params.get("merge") and not params.get("nest") and not params.get("unroll")
+
+
+def _cpu_groups(walks: list[Walk], merge: int) -> list[list[int]]:
+    """The outputs each cpu walk computes: one each, or (`merge`) all that walk the same shape in the
+    same order together (RoPE's cos and sin tables)."""
+    groups: dict = {}
+    for j, w in enumerate(walks):
+        groups.setdefault((w.order, w.shape) if merge else j, []).append(j)
+    return list(groups.values())
+
+
+def _cpu_functions(plan: dict, params: dict) -> str:
+    """`fp_walk<g>` per group of outputs (`_cpu_groups`), taking the element's index (`nest` 0) or its
+    coordinates. A merged group computes every output's value first, each in its own block, then
+    stores them all: no store comes between the loads the outputs share (the compiler then loads and
+    computes them once, and turns a sinf and a cosf of one value into one sincosf)."""
+    itype, nest, walks = plan["itype"], params["nest"], plan["walks"]
+    out = []
+    for g, members in enumerate(_cpu_groups(walks, params.get("merge", 0))):
+        first = walks[members[0]]
+        if nest:
+            sig = "".join(f", {itype} c{d}_" for d in range(len(first.shape)))
+            lines = []
+        else:
+            sig = f", {itype} e_"
+            lines = list(plan["bodies"][members[0]][1][:first.head])
+        if len(members) == 1:
+            lines += plan["bodies"][members[0]][1][first.head:]
+        else:
+            for j in members:
+                w, stmts = walks[j], plan["bodies"][j][1]
+                lines += [f"float r{j}_;", "{", *("  " + st for st in stmts[w.head:-1]), f"  r{j}_ = {w.value};", "}"]
+            lines += [f"{walks[j].store} = fp_st<{walks[j].ctype}>(r{j}_);" for j in members]
+        body = "\n  ".join(lines)
+        out.append(f"\nFP_FN void fp_walk{g}(const fp_args& p{sig}) {{\n  {body}\n}}\n")
+    return "".join(out)
+
+
+def _cpu_walks(plan: dict, params: dict, arg: str, totals: list[str]) -> list[str]:
+    """Statements calling `fp_walk<g>(arg, ...)` (`_cpu_functions`) at every element of each group of
+    outputs, in memory order. `totals`: each output's element count (a C expression).
+
+    `nest` = 0: one flat loop over the element index, each call decoding its coordinates (a division
+    and a modulo per dim). `nest` = k: the k innermost dims (in memory order, size-1 dims skipped) are
+    loops whose counters are the coordinates, the rest one flat loop decoded once per inner run: the
+    index math leaves the inner loops, where the compiler sees constant trip counts and unit-stride
+    accesses. A looped dim a cat splits (rotate_half's halves) is walked as one loop per piece, so
+    the compiler drops the cat's branch in each (it knows the coordinate's range there) and can
+    vectorise what is left. `unroll`: `#pragma GCC unroll` on the innermost loops (`CPU_UNROLLS`)."""
+    itype, nest, unroll = plan["itype"], params["nest"], params["unroll"]
+    hint = [f"#pragma GCC unroll {unroll or 1}"] if unroll or nest else []
+    out = []
+    for g, members in enumerate(_cpu_groups(plan["walks"], params.get("merge", 0))):
+        walk = plan["walks"][members[0]]
+        if nest == 0:
+            out += [*hint, f"for ({itype} e_ = 0; e_ < {totals[members[0]]}; ++e_) fp_walk{g}({arg}, e_);"]
+            continue
+        cuts: dict[int, set[int]] = {}
+        for j in members:
+            for d, at in plan["walks"][j].cuts:
+                cuts.setdefault(d, set()).update(at)
+
+        def size(d: int, walk: Walk = walk) -> str:
+            n = walk.shape[d]
+            return f"{n}u" if isinstance(n, int) else f"{arg}.n_{n}"
+
+        def loops(dims: list[int], ind: str, g: int = g, walk: Walk = walk, cuts: dict = cuts) -> list[str]:
+            if not dims:
+                coords = "".join(f", c{d}_" if n != 1 else ", 0u" for d, n in enumerate(walk.shape))
+                return [f"{ind}fp_walk{g}({arg}{coords});"]
+            d, n = dims[0], walk.shape[dims[0]]
+            bounds = [0, *sorted(b for b in cuts.get(d, ()) if isinstance(n, int) and 0 < b < n), n]
+            lines = []
+            for lo, hi in itertools.pairwise(bounds):
+                if len(dims) == 1:
+                    lines += [ind + h for h in hint]
+                end = size(d) if hi == n else f"{hi}u"
+                lines.append(f"{ind}for ({itype} c{d}_ = {lo}u; c{d}_ < {end}; ++c{d}_) {{")
+                lines += loops(dims[1:], ind + "  ")
+                lines.append(f"{ind}}}")
+            return lines
+
+        live = [d for d in walk.order if walk.shape[d] != 1]
+        k = min(nest, len(live))
+        outer, inner = live[:len(live) - k], live[len(live) - k:]
+        if not outer:
+            out.append("\n  ".join(loops(inner, "")))
+            continue
+        sizes = [walk.shape[d] for d in outer]
+        total = f"{math.prod(sizes)}u" if all(isinstance(n, int) for n in sizes) else " * ".join(map(size, outer))
+        lines = [f"for ({itype} o_ = 0; o_ < {total}; ++o_) {{", f"  {itype} r_ = o_;"]
+        lines += [f"  const {itype} c{d}_ = r_ % {size(d)}; r_ /= {size(d)};" for d in reversed(outer[1:])]
+        lines += [f"  const {itype} c{outer[0]}_ = r_;", *loops(inner, "  "), "}"]
+        out.append("\n  ".join(lines))
+    return out
+
+
+def _bodies(card: Card, target: str, emitter, coords, store,
+            layout) -> tuple[list[tuple[TensorMeta, list[str]]], list[Walk]]:
     """Per output: its meta and the statements of `fp_out<j>`: `coords(j, meta)` (c<d>_ from e_), the
-    chain's value there (a fresh `emitter()` per output), the store at offset `store(j, meta)`."""
-    bodies = []
+    chain's value there (a fresh `emitter()` per output), the store at offset `store(j, meta)`; and
+    how the cpu render may walk it (`layout(j, meta)`: its dims outermost first, its sizes)."""
+    bodies, walks = [], []
     for j, (ref, meta) in enumerate(zip(card.fusion.outputs, card.outputs, strict=True)):
         if meta.dtype not in COMPUTE_DTYPES:
             raise Refused(f"output dtype {meta.dtype}")
         stmts = list(coords(j, meta))
-        value, _ = emitter().value(ref, [f"c{d}_" for d in range(len(meta.shape))], stmts, {})
-        stmts.append(f"p.out{j}[{store(j, meta)}] = fp_st<{ctype(meta.dtype, target)}>({value});")
+        head = len(stmts)
+        em = emitter()
+        value, _ = em.value(ref, [f"c{d}_" for d in range(len(meta.shape))], stmts, {})
+        element, ct = f"p.out{j}[{store(j, meta)}]", ctype(meta.dtype, target)
+        stmts.append(f"{element} = fp_st<{ct}>({value});")
         bodies.append((meta, stmts))
-    return bodies
+        order, shape = layout(j, meta)
+        cuts = tuple(sorted((d, tuple(sorted(at))) for d, at in em.cuts.items()))
+        walks.append(Walk(tuple(order), tuple(shape), head, cuts, value, element, ct))
+    return bodies, walks
 
 
 # --- fused.indexed over a family's dims: sizes and strides read at run time ------------------------------
@@ -855,11 +998,12 @@ class IndexedFusion(FusedTemplate):
             return " + ".join(f"c{d}_ * p.o{j}_{d}" for d, n in enumerate(outs[j].shape) if n != 1) or "0u"
 
         try:
-            bodies = _bodies(card, target, lambda: _FamilyEmitter(card, chain, target, sized),
-                             lambda j, meta: _family_coords(outs[j].shape, sized.orders[j], sized.itype), store)
+            bodies, walks = _bodies(card, target, lambda: _FamilyEmitter(card, chain, target, sized),
+                                    lambda j, meta: _family_coords(outs[j].shape, sized.orders[j], sized.itype), store,
+                                    lambda j, meta: (sized.orders[j], outs[j].shape))
         except Refused as err:
             return str(err)
-        return FamilyPlan({"itype": sized.itype, "bodies": bodies}, sized)
+        return FamilyPlan({"itype": sized.itype, "bodies": bodies, "walks": walks}, sized)
 
     def _batch_plan(self, card, target):
         """The batch-1 member's plan where the family varies the outermost axis alone (else a reason)."""
@@ -906,20 +1050,34 @@ class IndexedFusion(FusedTemplate):
             return " + ".join(f"c{d}_ * {s}u" for d, (n, s) in enumerate(zip(meta.shape, meta.stride, strict=True))
                               if n != 1) or "0u"
 
-        return {"itype": itype, "bodies": _bodies(card, target, lambda: _Emitter(card, chain, target, itype),
-                                                  lambda j, meta: _coords(meta, itype), store)}
+        bodies, walks = _bodies(card, target, lambda: _Emitter(card, chain, target, itype),
+                                lambda j, meta: _coords(meta, itype), store,
+                                lambda j, meta: (memory_order(meta.shape, meta.stride), meta.shape))
+        return {"itype": itype, "bodies": bodies, "walks": walks}
 
     def axes(self, plan, target):
-        return {} if target == "cpu" else {"block": [64, 128, 256, 512]}
+        if target == "cpu":
+            # `merge` where outputs share a walk (`_cpu_functions`); `nest` in search order: the flat loop,
+            # every dim a loop, then fewer of them (`_cpu_walks`)
+            walks = plan["walks"]
+            merge = {"merge": [0, 1]} if len(_cpu_groups(walks, 1)) < len(walks) else {}
+            deepest = max(w.depth for w in walks)
+            return {**merge, "nest": [0, *range(deepest, 0, -1)], "unroll": list(CPU_UNROLLS)}
+        return {"block": [64, 128, 256, 512]}
 
     def pick_default(self, plan, axes, target):
-        return {} if target == "cpu" else {"block": 256}
+        if target == "cpu":
+            return {**{k: 0 for k in axes if k == "merge"}, **CPU_INDEXED_DEFAULT}
+        return {"block": 256}
 
     def emit(self, card, plan, target, params):
-        code, inits, sizes = self._functions(card, plan, target)
+        code, inits, sizes = self._functions(card, plan, target, cpu=params)
         if target == "cpu":
-            loops = " ".join(f"for ({plan['itype']} e_ = 0; e_ < {n}u; ++e_) fp_out{j}(p, e_);"
-                             for j, n in enumerate(sizes))
+            if _cpu_plain(params):
+                loops = " ".join(f"for ({plan['itype']} e_ = 0; e_ < {n}u; ++e_) fp_out{j}(p, e_);"
+                                 for j, n in enumerate(sizes))
+            else:
+                loops = "\n  ".join(_cpu_walks(plan, params, "p", [f"{n}u" for n in sizes]))
             return code + entry(card, target, "fp_args p;\n  " + "\n  ".join(inits) + f"\n  {loops}\n  "
                                 + launch_status(target))
         kernel, total = self._kernel(plan, sizes, params["block"])
@@ -933,7 +1091,7 @@ class IndexedFusion(FusedTemplate):
         if isinstance(plan.info, _Sized):
             return self._sized_emit(card, plan, target, params)
         one = plan.info
-        code, inits, sizes = self._functions(one, plan.base, target, generic.helpers(1), batched=True)
+        code, inits, sizes = self._functions(one, plan.base, target, generic.helpers(1), batched=True, cpu=params)
         ins, outs = one.tensor_inputs(), one.outputs
         descs = [(f"call->inputs[{i}]", f"in{i}", m) for i, m in enumerate(ins)]
         descs += [(f"call->outputs[{j}]", f"out{j}", m) for j, m in enumerate(outs)]
@@ -945,8 +1103,12 @@ class IndexedFusion(FusedTemplate):
         body.append("if (nb_ == 0) return FP_OK;")
         moves = " ".join(f"q.{f} += bt * {var}.strides[0];" for var, f, _ in descs)
         if target == "cpu":
-            loops = " ".join(f"for ({plan.base['itype']} e_ = 0; e_ < {n}u; ++e_) fp_out{j}(q, e_);"
-                             for j, n in enumerate(sizes))
+            if _cpu_plain(params):
+                loops = " ".join(f"for ({plan.base['itype']} e_ = 0; e_ < {n}u; ++e_) fp_out{j}(q, e_);"
+                                 for j, n in enumerate(sizes))
+            else:  # on lines of their own (an unroll hint is a line)
+                walks = _cpu_walks(plan.base, params, "q", [f"{n}u" for n in sizes])
+                loops = "".join("\n    " + w.replace("\n", "\n  ") for w in walks) + "\n "
             body.append(f"for (int64_t bt = 0; bt < nb_; ++bt) {{ fp_args q = p; {moves} {loops} }}")
             return code + generic.entry(card, target, "\n  ".join([*body, launch_status(target)]))
         block = params["block"]
@@ -966,7 +1128,8 @@ class IndexedFusion(FusedTemplate):
         fields = [f"fp_idx n_{d.name};" for d in fam.dims]
         fields += [f"fp_idx {pre}_{a};" for _, pre, lay in tensors for a, n in enumerate(lay.shape) if n != 1]
         fields += [f"fp_idx t{j}; fp_idx nb{j};" for j in range(n_out)]
-        code, inits, _ = self._functions(card, plan.base, target, generic.helpers(1), extra_fields=tuple(fields))
+        code, inits, _ = self._functions(card, plan.base, target, generic.helpers(1), extra_fields=tuple(fields),
+                                         cpu=params)
         body = ["fp_args p;", *inits]
         body += [f"const int64_t n_{name}_ = call->inputs[{slot}].sizes[{axis}];" for name, slot, axis in sized.binds]
         for var, pre, lay in tensors:
@@ -978,7 +1141,10 @@ class IndexedFusion(FusedTemplate):
         body += [f"p.n_{d.name} = (fp_idx)n_{d.name}_;" for d in fam.dims]
         body += [f"p.t{j} = (fp_idx)fp_numel(&call->outputs[{j}]);" for j in range(n_out)]
         if target == "cpu":
-            body += [f"for (fp_idx e_ = 0; e_ < p.t{j}; ++e_) fp_out{j}(p, e_);" for j in range(n_out)]
+            if _cpu_plain(params):
+                body += [f"for (fp_idx e_ = 0; e_ < p.t{j}; ++e_) fp_out{j}(p, e_);" for j in range(n_out)]
+            else:
+                body += _cpu_walks(plan.base, params, "p", [f"p.t{j}" for j in range(n_out)])
             return code + generic.entry(card, target, "\n  ".join([*body, launch_status(target)]))
         block = params["block"]
         body += [f"p.nb{j} = (p.t{j} + {block - 1}u) / {block}u;" for j in range(n_out)]
@@ -1009,10 +1175,11 @@ class IndexedFusion(FusedTemplate):
                 f"  {itype} b = blockIdx.x;\n" + "\n".join(dispatch) + "\n}\n"), total
 
     def _functions(self, card, plan, target, helpers: str = "", batched: bool = False,
-                   extra_fields: tuple[str, ...] = ()) -> tuple[str, list[str], list[int]]:
+                   extra_fields: tuple[str, ...] = (), cpu: dict | None = None) -> tuple[str, list[str], list[int]]:
         """The prelude (then `helpers`), `fp_args` (then `extra_fields`), one `fp_out<j>` per output
         (`batched` on cuda: and `fp_move`, which moves every pointer to a batch index), the host
-        initialisers, each output's element count."""
+        initialisers, each output's element count. `cpu`: the cpu point; past the plain one, the
+        functions are `_cpu_functions`' instead."""
         itype = plan["itype"]
         ins, outs = card.tensor_inputs(), card.outputs
         fields, inits = [], []
@@ -1028,9 +1195,12 @@ class IndexedFusion(FusedTemplate):
         fields += extra_fields
         head = prelude(target) + helpers + f"\ntypedef {itype} fp_idx;\nstruct fp_args {{ {' '.join(fields)} }};\n"
         funcs = []
-        for j, (_, stmts) in enumerate(plan["bodies"]):
-            body = "\n  ".join(stmts)
-            funcs.append(f"\nFP_FN void fp_out{j}(const fp_args& p, {itype} e_) {{\n  {body}\n}}\n")
+        if target == "cpu" and cpu and not _cpu_plain(cpu):
+            funcs.append(_cpu_functions(plan, cpu))
+        else:
+            for j, (_, stmts) in enumerate(plan["bodies"]):
+                body = "\n  ".join(stmts)
+                funcs.append(f"\nFP_FN void fp_out{j}(const fp_args& p, {itype} e_) {{\n  {body}\n}}\n")
         names = [f"in{i}" for i in range(len(ins))] + [f"out{j}" for j in range(len(outs))]
         moves = " ".join(f"p.{n} += bt * st.s[{k}];" for k, n in enumerate(names))
         if batched and target == "cuda":

@@ -170,8 +170,9 @@ def entry(card: Card, target: str, body: str) -> str:
 # --- pointwise jobs ----------------------------------------------------------------------------------
 
 
-def _cpu_job(k: int, job) -> str:
-    """Rows of the innermost (merged) dim; outer coordinates decoded per row."""
+def _cpu_job(k: int, job, unroll: int = 1) -> str:
+    """Rows of the innermost (merged) dim; outer coordinates decoded per row. `unroll` > 1: the unit-stride
+    row loop's `#pragma GCC unroll` (the cpu search axis)."""
     nin = len(job.in_slots)
     out_t = ctype(job.out_dtype, "cpu")
     ptrs = [f"{out_t}* y_ = p.out{job.out_slot} + o_[0];"]
@@ -191,6 +192,7 @@ def _cpu_job(k: int, job) -> str:
     unit = stmt(["c_"] + [f"c_ * t{i + 1}_" for i in range(nin)])
     strided = stmt([f"c_ * t{v}_" for v in range(nin + 1)])
     all_unit = " && ".join(f"t{v}_ == 1" for v in range(nin + 1))
+    hint = f"\n#pragma GCC unroll {unroll}\n     " if unroll > 1 else ""
     return f"""
 static void fp_gjob{k}(const fp_args& p, const fp_geom& g) {{
   const int64_t inner = g.n[g.nd - 1], outer = g.numel / inner;
@@ -203,7 +205,7 @@ static void fp_gjob{k}(const fp_args& p, const fp_geom& g) {{
       for (int v = 0; v < FP_GV; ++v) o_[v] += c * g.s[v][d];
     }}
     {' '.join(ptrs)}
-    if ({all_unit}) {{ for (int64_t c_ = 0; c_ < inner; ++c_) {{ {unit} }} }}
+    if ({all_unit}) {{{hint} for (int64_t c_ = 0; c_ < inner; ++c_) {{ {unit} }} }}
     else {{ for (int64_t c_ = 0; c_ < inner; ++c_) {{ {strided} }} }}
   }}
 }}
@@ -348,7 +350,7 @@ def render_pointwise(card: Card, target: str, jobs: list, fields: list[str], ini
         if cat_dim is not None and len(jobs) <= MAX_CAT_JOBS:
             kernels += _cuda_cat_kernel(jobs)
     else:
-        kernels = "".join(_cpu_job(k, j) for k, j in enumerate(jobs))
+        kernels = "".join(_cpu_job(k, j, params.get("unroll", 1)) for k, j in enumerate(jobs))
     body = ["fp_args p;", *inits]
     if cat_dim is None:
         job = jobs[0]
