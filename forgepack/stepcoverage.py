@@ -102,6 +102,7 @@ def op_hits(pack: Any) -> int:
     return sum(s["hits"] for s in pack.stats().values() if not s["op"].startswith("fusion."))
 
 
+@torch.no_grad()  # as the decode loop runs it: no autograd bookkeeping in the stock times
 def measure(bucket: str, program: Program, pack: Any = None) -> StepCoverage:
     """The coverage of one recorded step (`DecodeLoop.step_programs`). With `pack`, every call is timed
     with its op-level kernels off (stock time), and a call not inside a block counts as served when its

@@ -232,6 +232,29 @@ def test_the_loop_s_buffers_count_in_max_bytes(tiny_llama_dir):
         serving.stop(model)
 
 
+def test_the_pick_and_the_advance_of_the_positions_take_13_launches():
+    """Each op of the greedy pick is a node of every decode graph (and a launch when it replays): the pick
+    takes 13 (20 before the positions, slot and counter shared one buffer and the masks became wheres);
+    the tokens-equal tests above check what they compute."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    ops: list[str] = []
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not func.is_view:
+                ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    state = decodeloop.State(2, 256, 32, torch.device("cpu"))
+    state.start(2, 8, decodeloop.Greedy(10, 2, (5,), 0, False, False, False))
+    logits = torch.randn(2, 256)
+    with Count():
+        state.pick(logits)
+    assert len(ops) == 13, ops
+    assert state.position.flatten().tolist() == [8, 8] and state.where.tolist() == [8] and int(state.count) == 0
+
+
 def test_plain_decides_from_the_arguments_alone(tiny_llama_dir):
     model = load(tiny_llama_dir)
     ids = torch.randint(3, 256, (2, 9))

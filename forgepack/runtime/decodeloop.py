@@ -183,11 +183,17 @@ class State:
             return torch.zeros(shape, dtype=dtype, device=device)
 
         self.rows, self.vocab, self.width = rows, vocab, width
-        self.token, self.position, self.where = zeros(rows, 1), zeros(rows, 1), zeros(1)
-        self.count, self.min_new, self.pad = zeros(), zeros(), zeros()  # step counter, eos block, pad token
-        self.eos = zeros(vocab, dtype=torch.bool)
-        self.unfinished, self.tokens, self.alive = zeros(rows), zeros(rows, width), zeros(width)
+        # Each row's position, the cache slot and the step counter advance together: one buffer, one add at
+        # the start of each pick; they start one behind, since the pick after the prefill advances them too.
+        self.counters = zeros(rows + 2)
+        self.position, self.where = self.counters[:rows].view(rows, 1), self.counters[rows:rows + 1]
+        self.count = self.counters[rows + 1]
+        self.token, self.min_new, self.pad = zeros(rows, 1), zeros(), zeros()  # min_new: eos blocked until then
+        self.eos, self.not_eos = zeros(vocab, dtype=torch.bool), zeros(vocab, dtype=torch.bool)
+        self.unfinished, self.alive = zeros(rows, dtype=torch.bool), zeros(width, dtype=torch.bool)
+        self.tokens = zeros(rows, width)
         self.logits, self.scores = zeros(rows, vocab, dtype=torch.float32), zeros(rows, vocab, dtype=torch.float32)
+        self.lowest = torch.full((), float("-inf"), device=device)
         self.slots, self.mask = torch.arange(width, device=device), zeros(rows, width, dtype=torch.bool)
         self.additive: torch.Tensor | None = None  # the mask as eager attention adds it (`additive_mask`)
 
@@ -195,35 +201,40 @@ class State:
         """Give the forward an additive mask of `dtype` (0 where a slot is attended, the dtype's lowest
         value elsewhere), as transformers builds one for eager attention, which adds its mask to the
         scores: a boolean mask there would add 1 to the attended slots and mask nothing."""
-        self.additive = torch.zeros(self.rows, self.width, dtype=dtype, device=self.mask.device)
+        device = self.mask.device
+        self.additive = torch.zeros(self.rows, self.width, dtype=dtype, device=device)
+        self.attended = torch.zeros((), dtype=dtype, device=device)
+        self.masked = torch.full((), torch.finfo(dtype).min, dtype=dtype, device=device)
 
     def start(self, batch: int, prompt: int, greedy: Greedy) -> None:
         """A request's values (host-issued fills, no sync): real rows unfinished, padding rows finished."""
-        self.position.fill_(prompt)
-        self.where.fill_(prompt)
-        self.count.zero_()
+        self.position.fill_(prompt - 1)
+        self.where.fill_(prompt - 1)
+        self.count.fill_(-1)
         self.min_new.fill_(greedy.min_new)
         self.pad.fill_(greedy.pad)
         self.eos.zero_()
         ids = [e for e in greedy.eos if 0 <= e < self.vocab]  # an id past the vocabulary is never picked
         if ids:
             self.eos[torch.tensor(ids, device=self.eos.device)] = True
-        self.unfinished.fill_(1)
-        self.unfinished[batch:] = 0
+        torch.logical_not(self.eos, out=self.not_eos)
+        self.unfinished.fill_(True)
+        self.unfinished[batch:] = False
 
+    @torch.no_grad()  # (out= variants refuse inputs that require grad; a pick is never differentiated)
     def pick(self, logits: torch.Tensor) -> None:
-        """transformers' greedy step on the device, from the logits of the last position [rows, vocab]."""
+        """transformers' greedy step on the device, from the logits of the last position [rows, vocab],
+        in few launches (each is a node of the decode graph): 13."""
+        self.counters.add_(1)
         self.logits.copy_(logits)  # generate's own fp32 copy
         blocked = self.eos & (self.count < self.min_new)  # MinNewTokens/MinLength: eos scores to -inf
-        self.scores.copy_(self.logits).masked_fill_(blocked, float("-inf"))
-        token = self.scores.argmax(-1)
-        token = token * self.unfinished + self.pad * (1 - self.unfinished)
+        torch.where(blocked, self.lowest, self.logits, out=self.scores)
+        token = torch.where(self.unfinished, self.scores.argmax(-1), self.pad)
         where = self.count.view(1)
         self.tokens.index_copy_(1, where, token.view(-1, 1))
-        self.unfinished.mul_(self.eos.index_select(0, token).logical_not())
-        self.alive.index_copy_(0, where, self.unfinished.amax().view(1))
+        self.unfinished.logical_and_(self.not_eos.index_select(0, token))
+        self.alive.index_copy_(0, where, self.unfinished.any().view(1))
         self.token.copy_(token.view(-1, 1))
-        self.count.add_(1)
 
     def generated(self, steps: int) -> int:
         """How many tokens transformers' loop would have produced, of the `steps` run (one host sync)."""
@@ -231,7 +242,7 @@ class State:
         return alive.index(0) + 1 if 0 in alive else steps
 
     def nbytes(self) -> int:
-        return tensor_bytes(t for t in vars(self).values() if isinstance(t, torch.Tensor))
+        return tensor_bytes(t for t in vars(self).values() if isinstance(t, torch.Tensor) and t._base is None)
 
 
 def additive_mask_dtype(model: Any) -> torch.dtype | None:
@@ -261,12 +272,9 @@ def run_step(forward: Any, state: State, kwargs: dict[str, Any]) -> None:
     graph holds; the build records the same step to find its blocks)."""
     torch.le(state.slots, state.position, out=state.mask)
     if state.additive is not None:
-        lowest = torch.finfo(state.additive.dtype).min
-        state.additive.copy_(state.mask).sub_(1).mul_(-lowest)
+        torch.where(state.mask, state.attended, state.masked, out=state.additive)
     out = forward(**kwargs)
-    state.pick(out.logits[:, -1])
-    state.position.add_(1)
-    state.where.add_(1)
+    state.pick(out.logits[:, -1])  # which also advances the positions
 
 
 def state_bytes(rows: int, vocab: int, width: int) -> int:
