@@ -36,7 +36,10 @@ CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": 
            "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM"}
 # Gemma-2: every layer global (a sliding window over a 32-slot cache is the same step), soft-capped eager
 # attention, GELU, a norm after each projection
-EXTRA = {"mistral": {"sliding_window": None}, "gemma2": {"layer_types": ["full_attention"] * 2}}
+# Gemma-2 as released runs eager attention (its soft-capping needs it; transformers 5.17 defaulted to SDPA,
+# which drops the cap, 5.25 to eager)
+EXTRA = {"mistral": {"sliding_window": None},
+         "gemma2": {"layer_types": ["full_attention"] * 2, "attn_implementation": "eager"}}
 
 
 def tiny(arch: str, dtype=torch.float32):
@@ -227,7 +230,7 @@ def test_the_attention_block_reads_a_repeated_cache_in_place(monkeypatch):
     for every query head, each layer, each step; the attention block takes the cache itself."""
     import transformers.integrations.sdpa_attention as sdpa
 
-    monkeypatch.setattr(sdpa, "is_torchdynamo_compiling", lambda: True)
+    monkeypatch.setattr(sdpa, "is_torchdynamo_compiling", lambda: True, raising=False)  # 5.17: always this path
     program = program_of(tiny("llama", torch.bfloat16))
     cards = {c.fusion.pattern: c for c in cards_of(program)}
     att = cards["attention"]
