@@ -28,6 +28,7 @@ from forgepack.search import cassette, prices
 from forgepack.search.proposers import Context, Parent, Proposal
 from forgepack.search.proposers.prompt import (
     RETRY_STATUSES,
+    RequestReply,
     backoff,
     build_prompt,
     extract_source,
@@ -43,7 +44,7 @@ ABI_HEADER = Path(__file__).resolve().parents[2] / "abi" / "forgepack_abi.h"
 __all__ = ["ABI_HEADER", "AnthropicProposer", "build_prompt", "extract_source"]
 
 
-class AnthropicProposer:
+class AnthropicProposer(RequestReply):
     name = "anthropic"
     adaptive = True  # each call waits for the previous verdict on its card: the feedback is the point
 
@@ -160,20 +161,6 @@ class AnthropicProposer:
                               tokens=(tokens_in + cache_read + cache_write, tokens_out), cost=cost, seconds=seconds,
                               attempts=attempts, served_model=reply.get("model"), cache_read_tokens=cache_read,
                               cache_write_tokens=cache_write)
-
-    def propose(
-        self,
-        card: Card,
-        parent: Parent | None,
-        lineage: Sequence[Any],
-        feedback: Sequence[str],
-        tried: frozenset[str] = frozenset(),
-        context: Context | None = None,
-    ) -> Proposal:
-        request = self.request(card, parent, lineage, feedback, context)
-        started = time.monotonic()
-        reply, attempts = self.send(request)
-        return self.parse(request, reply, attempts, time.monotonic() - started)
 
     def _sdk_client(self) -> tuple[Any, Any]:
         with self._lock:

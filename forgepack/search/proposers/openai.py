@@ -31,6 +31,7 @@ from forgepack.search import cassette, prices
 from forgepack.search.proposers import Context, Parent, Proposal
 from forgepack.search.proposers.prompt import (
     RETRY_STATUSES,
+    RequestReply,
     backoff,
     build_prompt,
     reply_proposal,
@@ -61,7 +62,7 @@ def model_of(model: str | None) -> str:
     return DEFAULT_MODEL if not model or model == CLAUDE_DEFAULT else model
 
 
-class OpenAIProposer:
+class OpenAIProposer(RequestReply):
     name = "openai"
     adaptive = True  # each call waits for the previous verdict on its card: the feedback is the point
 
@@ -173,20 +174,6 @@ class OpenAIProposer:
                               cost=prices.cost(self.model, tokens_in, tokens_out, per_mtok=self.price),
                               seconds=seconds, attempts=attempts, served_model=reply.get("model"),
                               base_url=self.base_url, cached_tokens=cached)
-
-    def propose(
-        self,
-        card: Card,
-        parent: Parent | None,
-        lineage: Sequence[Any],
-        feedback: Sequence[str],
-        tried: frozenset[str] = frozenset(),
-        context: Context | None = None,
-    ) -> Proposal:
-        request = self.request(card, parent, lineage, feedback, context)
-        started = time.monotonic()
-        reply, attempts = self.send(request)
-        return self.parse(request, reply, attempts, time.monotonic() - started)
 
     def _http_request(self, request: dict) -> urllib.request.Request:
         headers = {"content-type": "application/json"}

@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import random
 import re
+import time
 from collections.abc import Sequence
 from importlib import resources
 from typing import Any
 
 from forgepack.cards import Card, TensorMeta
-from forgepack.search.proposers import Parent, Proposal
+from forgepack.search.proposers import Context, Parent, Proposal
 from forgepack.search.proposers.reference import family_lines, reference_program
 
 # Statuses worth another attempt: timeouts, conflicts, rate limits, server errors, Anthropic's overload.
@@ -295,3 +296,22 @@ def build_prompt(
         goal += f" Eager takes {prof.eager_us:.2f} us; the roofline is {prof.roofline_us:.2f} us."
     parts.append(goal)
     return "\n\n".join(parts)
+
+
+class RequestReply:
+    """`propose` of a proposer that asks an LLM: build the request, send it (retries, cassettes), parse
+    the reply into a proposal. The Anthropic and OpenAI-compatible proposers differ in those three."""
+
+    def propose(
+        self,
+        card: Card,
+        parent: Parent | None,
+        lineage: Sequence[Any],
+        feedback: Sequence[str],
+        tried: frozenset[str] = frozenset(),
+        context: Context | None = None,
+    ) -> Proposal:
+        request = self.request(card, parent, lineage, feedback, context)
+        started = time.monotonic()
+        reply, attempts = self.send(request)
+        return self.parse(request, reply, attempts, time.monotonic() - started)
