@@ -769,6 +769,7 @@ def record_step(model: Any, rows: int, cache_len: int, prompt: int = 16, seed: i
     if dtype is not None:
         state.additive_mask(dtype)
     state.start(rows, prompt, decodeloop.Greedy(cache_len - prompt, 0, (), 0, False, False, False))
+    state.counters.add_(1)  # as the loop's pick after the prefill does: the step writes slot `prompt`
     state.token.copy_(ids[:, -1:])
     kwargs = decodeloop.step_kwargs(model.forward, state, cache)
     # writes kept (no capture follows): each block's inputs then hold what the step gave them (the mask as

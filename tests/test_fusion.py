@@ -644,6 +644,46 @@ def test_two_patchers_never_stack_and_a_wrapped_patch_is_switched_off(llama):
         cls.forward = original
 
 
+def test_a_recorded_decode_step_can_see_the_stock_code_under_the_patches(llama):
+    """The decode loop records its step for the pack's blocks with the pack's module sites switched off
+    too (`stepprogram.stock_sites`): a fused norm inside a block's chain would otherwise replace calls the
+    block's chain is matched by. Meanwhile the patch calls the original; after, the kernel serves again,
+    and a patch switched off for good (`remove` of a wrapped one) stays off."""
+    from transformers.models.llama import modeling_llama
+
+    from forgepack.runtime import stepprogram
+
+    (norm,) = llama.by_pattern("rmsnorm")
+    sites, _ = fusion.sites_of([norm])
+    calls = []
+
+    def kernel(site, tensors):
+        calls.append(site.index)
+        return opcall.run_chain(norm, tensors)
+
+    original = modeling_llama.LlamaRMSNorm.__dict__["forward"]
+    patches = rt.ModulePatches(sites, kernel)
+    source = list  # a source offering no chains, with the patches as its module sites
+    module = llama.lm.model.model.norm
+    x = torch.randn(1, 32, module.weight.shape[0]).to(torch.bfloat16)
+    assert patches.install() == {}
+    stepprogram.provide(source, patches.suspended)
+    try:
+        with torch.no_grad():
+            module(x)
+            assert len(calls) == 1
+            with stepprogram.stock_sites():
+                assert torch.equal(module(x), original(module, x))
+            assert len(calls) == 1  # the call inside did not reach the kernel
+            module(x)
+            assert len(calls) == 2
+    finally:
+        stepprogram.withdraw(source)
+        patches.remove()
+    with stepprogram.stock_sites():  # withdrawn: nothing left to switch
+        pass
+
+
 def test_a_call_of_other_sizes_misses_before_the_fused_op_and_runs_the_original(llama):
     """An exact pack served at other sizes: the site's verified sizes turn the call away in Python (the
     fused op and the grad/autocast checks cost tens of microseconds a call); a call of the verified sizes

@@ -476,16 +476,28 @@ class DecodeLoop:
         if not offered:
             with mask_once():
                 return self.backend.capture(self._run, (loop,), {}, device)
-        program = stepprogram.record(run_step, self.server.eager, loop.state, loop.kwargs)
-        rewritten, placed = stepprogram.rewrite(program, offered)
+        program, rewritten, placed, sites = self._blocks_in_place(loop, offered)
         self._programs[loop.bucket] = {"launches": program.launches(), "with_blocks": rewritten.launches(),
-                                       "blocks": len(placed)}
+                                       "blocks": len(placed), "module_sites": sites}
         loop.program = rewritten
         if not isinstance(self.backend, CudaBackend):
             # The emulation records aten calls, and a pack's kernel runs inside its op's C++ body, which a
             # dispatch mode never sees: the program itself is the replay (it calls the kernels each time).
             return Captured(rewritten.run, None, 0, rewritten)
         return self.backend.capture(rewritten.run, (), {}, device)
+
+    def _blocks_in_place(self, loop: _Loop, offered: list) -> tuple[stepprogram.Program, stepprogram.Program,
+                                                                      list, str]:
+        """The step recorded and rewritten with the blocks (`_capture`), twice: with the pack's fused module
+        sites (a site inside a block, such as a fused norm or activation, replaces calls of the block's
+        chain, which then no longer matches) and with those sites off. The one placing more blocks wins;
+        a tie keeps the sites (they also serve chains outside the blocks)."""
+        tries = []
+        for sites in ("on", "off"):
+            with stepprogram.stock_sites() if sites == "off" else contextlib.nullcontext():
+                program = stepprogram.record(run_step, self.server.eager, loop.state, loop.kwargs)
+            tries.append((program, *stepprogram.rewrite(program, offered), sites))
+        return max(tries, key=lambda t: (len(t[2]), t[3] == "on"))
 
     @contextlib.contextmanager
     def _pool(self, device: torch.device):

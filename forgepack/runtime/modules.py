@@ -27,6 +27,7 @@ This file imports only torch, the standard library and the pack runtime beside i
 from __future__ import annotations
 
 import ast
+import contextlib
 import functools
 import hashlib
 import importlib
@@ -376,6 +377,20 @@ class ModulePatches:
     def installed(self) -> bool:
         return bool(self._restore)
 
+    @contextlib.contextmanager
+    def suspended(self):
+        """Every installed patch calls its original meanwhile: the decode loop records a step as stock runs
+        it, so that a decode block's chain is not cut by a fused call of a site inside it."""
+        with self._lock:
+            switched = [p for *_, p in self._restore if _OFF not in p.__dict__]
+        for patched in switched:
+            setattr(patched, _OFF, True)
+        try:
+            yield
+        finally:
+            for patched in switched:
+                patched.__dict__.pop(_OFF, None)
+
     # --- the guarded callables ---
 
     def _run(self, site: Site, tensors: list[torch.Tensor]) -> list[torch.Tensor] | None:
@@ -672,8 +687,12 @@ class PackModules:
         skipped = self.patches.install()
         self.active = True
         if self.steps:
-            stepprogram.provide(self.step_kernels)
+            stepprogram.provide(self.step_kernels, self.stock_sites)
         return skipped
+
+    def stock_sites(self) -> contextlib.AbstractContextManager:
+        """The pack's module sites off (stock code) meanwhile (`ModulePatches.suspended`)."""
+        return self.patches.suspended() if self.patches is not None else contextlib.nullcontext()
 
     def step_kernels(self) -> list[tuple[stepprogram.Chain, Callable]]:
         """The decode blocks' chains and their kernels, for the decode loop's recorded step (empty while

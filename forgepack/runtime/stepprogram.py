@@ -21,6 +21,7 @@ value is a variable that calls may update, and a replay runs the calls in their 
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -555,19 +556,31 @@ def _assemble(program: Program, placed: dict[int, tuple[Match, Callable]]) -> tu
 # ----------------------------------------------------------------------------------------------------
 # Who offers kernels: an active pack's decode blocks (`modules.PackModules.step_kernels`)
 
-_SOURCES: list[Callable[[], list[tuple[Chain, Callable]]]] = []
+# source -> what switches its other patches off (its pack's fused module sites), or None
+_SOURCES: dict[Callable[[], list[tuple[Chain, Callable]]], Callable[[], contextlib.AbstractContextManager] | None] = {}
 
 
-def provide(source: Callable[[], list[tuple[Chain, Callable]]]) -> None:
-    if source not in _SOURCES:
-        _SOURCES.append(source)
+def provide(source: Callable[[], list[tuple[Chain, Callable]]],
+            stock: Callable[[], contextlib.AbstractContextManager] | None = None) -> None:
+    """`source` offers its chains and kernels; `stock`, if given, switches off its pack's module sites
+    while a step is recorded for the chains (`stock_sites`)."""
+    _SOURCES.setdefault(source, stock)
 
 
 def withdraw(source: Callable[[], list[tuple[Chain, Callable]]]) -> None:
-    if source in _SOURCES:
-        _SOURCES.remove(source)
+    _SOURCES.pop(source, None)
 
 
 def kernels() -> list[tuple[Chain, Callable]]:
     """Every chain an active pack serves in a decode step, with its kernel."""
     return [k for source in list(_SOURCES) for k in source()]
+
+
+@contextlib.contextmanager
+def stock_sites():
+    """Every providing pack's module sites switched off meanwhile."""
+    with contextlib.ExitStack() as stack:
+        for stock in list(_SOURCES.values()):
+            if stock is not None:
+                stack.enter_context(stock())
+        yield
