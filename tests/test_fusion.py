@@ -672,16 +672,16 @@ def test_a_recorded_decode_step_can_see_the_stock_code_under_the_patches(llama):
         with torch.no_grad():
             module(x)
             assert len(calls) == 1
-            with stepprogram.stock_sites():
-                assert torch.equal(module(x), original(module, x))
+            with stepprogram.stock_sites() as switched:
+                assert switched and torch.equal(module(x), original(module, x))
             assert len(calls) == 1  # the call inside did not reach the kernel
             module(x)
             assert len(calls) == 2
     finally:
         stepprogram.withdraw(source)
         patches.remove()
-    with stepprogram.stock_sites():  # withdrawn: nothing left to switch
-        pass
+    with stepprogram.stock_sites() as switched:  # withdrawn: nothing left to switch
+        assert not switched
 
 
 def test_a_call_of_other_sizes_misses_before_the_fused_op_and_runs_the_original(llama):

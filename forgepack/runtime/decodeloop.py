@@ -490,14 +490,18 @@ class DecodeLoop:
                                                                       list, str]:
         """The step recorded and rewritten with the blocks (`_capture`), twice: with the pack's fused module
         sites (a site inside a block, such as a fused norm or activation, replaces calls of the block's
-        chain, which then no longer matches) and with those sites off. The one placing more blocks wins;
-        a tie keeps the sites (they also serve chains outside the blocks)."""
-        tries = []
-        for sites in ("on", "off"):
-            with stepprogram.stock_sites() if sites == "off" else contextlib.nullcontext():
-                program = stepprogram.record(run_step, self.server.eager, loop.state, loop.kwargs)
-            tries.append((program, *stepprogram.rewrite(program, offered), sites))
-        return max(tries, key=lambda t: (len(t[2]), t[3] == "on"))
+        chain, which then no longer matches) and, where a site was installed, with those sites off. The one
+        placing more blocks wins; a tie keeps the sites (they also serve chains outside the blocks)."""
+        def recorded(sites: str) -> tuple:
+            program = stepprogram.record(run_step, self.server.eager, loop.state, loop.kwargs)
+            return (program, *stepprogram.rewrite(program, offered), sites)
+
+        on = recorded("on")
+        with stepprogram.stock_sites() as switched:
+            if not switched:  # no site to switch off: the same recording again
+                return on
+            off = recorded("off")
+        return max((on, off), key=lambda t: (len(t[2]), t[3] == "on"))
 
     @contextlib.contextmanager
     def _pool(self, device: torch.device):

@@ -379,14 +379,15 @@ class ModulePatches:
 
     @contextlib.contextmanager
     def suspended(self):
-        """Every installed patch calls its original meanwhile: the decode loop records a step as stock runs
-        it, so that a decode block's chain is not cut by a fused call of a site inside it."""
+        """Every installed patch calls its original meanwhile (yields whether any was switched): the decode
+        loop records a step as stock runs it, so that a decode block's chain is not cut by a fused call of
+        a site inside it."""
         with self._lock:
             switched = [p for *_, p in self._restore if _OFF not in p.__dict__]
         for patched in switched:
             setattr(patched, _OFF, True)
         try:
-            yield
+            yield bool(switched)
         finally:
             for patched in switched:
                 patched.__dict__.pop(_OFF, None)
@@ -692,7 +693,7 @@ class PackModules:
 
     def stock_sites(self) -> contextlib.AbstractContextManager:
         """The pack's module sites off (stock code) meanwhile (`ModulePatches.suspended`)."""
-        return self.patches.suspended() if self.patches is not None else contextlib.nullcontext()
+        return self.patches.suspended() if self.patches is not None else contextlib.nullcontext(False)
 
     def step_kernels(self) -> list[tuple[stepprogram.Chain, Callable]]:
         """The decode blocks' chains and their kernels, for the decode loop's recorded step (empty while

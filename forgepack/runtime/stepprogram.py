@@ -578,9 +578,7 @@ def kernels() -> list[tuple[Chain, Callable]]:
 
 @contextlib.contextmanager
 def stock_sites():
-    """Every providing pack's module sites switched off meanwhile."""
+    """Every providing pack's module sites switched off meanwhile; yields whether any was."""
     with contextlib.ExitStack() as stack:
-        for stock in list(_SOURCES.values()):
-            if stock is not None:
-                stack.enter_context(stock())
-        yield
+        switched = [stack.enter_context(stock()) for stock in list(_SOURCES.values()) if stock is not None]
+        yield any(switched)
