@@ -37,6 +37,43 @@ def run_stock(card: Card, tensors: list[torch.Tensor | None], device: torch.devi
     return stock_call(card, tensors, device)()
 
 
+def run_wide(card: Card, tensors: list[torch.Tensor | None], device: torch.device | str) -> list[torch.Tensor]:
+    """`run_stock` for float64 inputs: a fused attention (cuDNN, flash, memory-efficient), which has no
+    float64 kernel, runs as the math attention it stands for. The verifier's exact reference: cuDNN's
+    attention drifts from the exact result on large query and key values (pytorch#139298), so without
+    one a kernel more accurate than stock there would be judged against stock's error."""
+    if card.kind == "fusion":
+        return ChainPlan(card, torch.device(device), wide=True)(tensors)
+    args, kwargs = call_args(card, tensors, device)
+    func = _WIDE.get(card.op) or stockcall.resolve(card.op)
+    return stockcall.flatten_outputs(func(*args, **kwargs))
+
+
+def _math_attention(op: str) -> Callable:
+    """The math attention, called with the arguments of the fused attention `op` (its output, its log-sum-exp
+    left out: a fused op's other outputs are bookkeeping)."""
+    names = [a.name for a in stockcall.resolve(op)._schema.arguments]
+
+    def call(*args, **kwargs):
+        bound = {**dict(zip(names, args, strict=False)), **kwargs}
+        q, k, v = bound["query"], bound["key"], bound["value"]
+        mask = bound.get("attn_bias", bound.get("attn_mask"))
+        if mask is not None and mask.is_floating_point():  # a bias the chain made in the model's dtype
+            mask = mask.to(q.dtype)
+        out, _ = torch.ops.aten._scaled_dot_product_attention_math(
+            q, k, v, mask, bound.get("dropout_p", 0.0), bound.get("is_causal", False), scale=bound.get("scale"),
+            enable_gqa=q.shape[-3] != k.shape[-3])
+        return (out,)
+
+    return call
+
+
+_WIDE = {op: _math_attention(op) for op in ("aten._scaled_dot_product_cudnn_attention.default",
+                                           "aten._scaled_dot_product_efficient_attention.default",
+                                           "aten._scaled_dot_product_flash_attention.default")
+         if hasattr(torch.ops.aten, op.split(".")[1])}
+
+
 def stock_call(card: Card, tensors: list[torch.Tensor | None], device: torch.device | str
                ) -> Callable[[], list[torch.Tensor]]:
     """A zero-argument callable running the card's stock computation on these inputs (arguments decoded
@@ -105,8 +142,9 @@ class ChainPlan:
     model's code runs the chain. Interpreting the chain instead (refs resolved per call, closures and
     lists per step) made the tiny Llama's act(gate) * up 10.2 us against 6.9 us as its module runs it."""
 
-    def __init__(self, card: Card, device: torch.device):
+    def __init__(self, card: Card, device: torch.device, wide: bool = False):
         self.steps = []
+        calls = []
         for entry in card.chain:
             func = stockcall.resolve(entry.op)
             positional, keyword = [], []
@@ -125,8 +163,9 @@ class ChainPlan:
                 else:
                     positional.append(item)
             self.steps.append((func, tuple(positional), tuple(keyword)))
+            calls.append(_WIDE.get(entry.op, func) if wide else func)
         self.outputs = card.fusion.outputs
-        self._replay = _compiled(self.steps, self.outputs)
+        self._replay = _compiled(self.steps, self.outputs, calls)
 
     def __call__(self, tensors: list[torch.Tensor | None]) -> list[torch.Tensor]:
         return self._replay(tensors)[2]  # an input written in place is a clone in the replay's inputs
@@ -141,12 +180,13 @@ class ChainPlan:
         return inputs, values
 
 
-def _compiled(steps: list, outputs: tuple) -> Callable[[list], tuple[list, list, list]]:
+def _compiled(steps: list, outputs: tuple, calls: list) -> Callable[[list], tuple[list, list, list]]:
     """The chain as one function of its inputs: (inputs, every entry's outputs, the chain's outputs).
 
     Arguments are taken in order, each into a local, and an input an entry writes is cloned just
     before that argument is taken (the caller's tensors are never changed; an argument taken before it
-    is the original). Generated code names only locals, the ops and constants: no text of the card."""
+    is the original). `calls`: what each step calls (its op, or a stand-in taking the op's arguments).
+    Generated code names only locals, the ops and constants: no text of the card."""
     names: dict[str, Any] = {"_flat": stockcall.flatten_outputs}
     lines = ["def replay(tensors):", "    inputs = list(tensors)"]
     cloned: set[int] = set()
@@ -169,7 +209,7 @@ def _compiled(steps: list, outputs: tuple) -> Callable[[list], tuple[list, list,
         return local
 
     for p, (func, positional, keyword) in enumerate(steps):
-        names[f"op{p}"] = func
+        names[f"op{p}"] = calls[p]
         args = [take(item, f"a{p}_{k}") for k, item in enumerate(positional)]
         args += [f"{name}={take(item, f'k{p}_{k}')}" for k, (name, item) in enumerate(keyword)]
         call = f"op{p}({', '.join(args)})"

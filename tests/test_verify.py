@@ -413,3 +413,32 @@ def test_the_kernel_comparison_keeps_its_rules_at_the_edges():
     same = torch.tensor([1.0, inf, -inf, -4.0])  # bit for bit, no NaN: decided in one pass, the same answer
     bad, atol = judge.kernel_mismatches(same.clone(), same, tol, input_scale=2.0)
     assert not bad.any() and atol == judge.scaled_atol(tol, 4.0) and judge.max_abs_error(same.clone(), same) == 0.0
+
+
+@pytest.mark.parametrize("op", ["_scaled_dot_product_cudnn_attention", "_scaled_dot_product_efficient_attention",
+                                "_scaled_dot_product_flash_attention"])
+def test_a_fused_attention_has_an_exact_float64_reference(op):
+    """The GPU's fused attentions have no float64 kernel; the verifier's exact reference runs the math
+    attention they stand for, with their own arguments: a boolean mask the chain turned into a bias in the
+    model's dtype, grouped key/value heads, the scale, large values where cuDNN's own result drifts."""
+    import torch.nn.functional as F
+
+    from forgepack import opcall
+
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 8, 1, 64, generator=gen, dtype=torch.float64) * 1e4
+    k, v = (torch.randn(1, 2, 96, 64, generator=gen, dtype=torch.float64) * 1e3 for _ in range(2))
+    live = torch.zeros(1, 1, 1, 96, dtype=torch.bool)
+    live[..., :40] = True
+    bias = torch.zeros(1, 1, 1, 96, dtype=torch.bfloat16).masked_fill(~live, float("-inf"))
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=live, scale=0.125, enable_gqa=True)
+    stand_in = opcall._WIDE[f"aten.{op}.default"]
+    if op == "_scaled_dot_product_flash_attention":  # no mask argument: every slot counts
+        want = F.scaled_dot_product_attention(q, k, v, scale=0.125, enable_gqa=True)
+        (got,) = stand_in(q, k, v, 0.0, False, False, scale=0.125)
+    elif op == "_scaled_dot_product_cudnn_attention":
+        (got,) = stand_in(q, k, v, bias, False, 0.0, False, False, scale=0.125)
+    else:
+        (got,) = stand_in(q, k, v, bias, False, 0.0, False, scale=0.125)
+    assert got.dtype == torch.float64
+    torch.testing.assert_close(got, want, rtol=0, atol=0)

@@ -594,6 +594,9 @@ def gate_blocks(lm, pack, blocks_: list[str], others: list[str], mode: str, time
                 if not alone:
                     dropped.update({v: f"changes the served tokens: {why}" for v in vids})
         keep = [v for v in blocks_ if v not in dropped]
+        # from stock: a kernel counts its calls as the step is captured, and a step already captured
+        # with the same kernels (the check above) would only be replayed, calling none of them
+        served.stock()
         before = pack.stats()
         served.serve(set(others) | set(keep))
         served.run()
