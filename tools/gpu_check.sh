@@ -157,12 +157,12 @@ run_stage() {
                # (tools/bench_decode_step.py: compiled-loop, graphs, pack+graphs). Knobs: DECODE_BUDGET (16),
                # DECODE_LIMIT (profile + search seconds, 240), DECODE_BUILD_TIME (330), DECODE_BATCHES (1),
                # DECODE_PROMPTS (128), DECODE_COLUMNS (graphs,compiled-loop), DECODE_BENCH_TIME (240), DECODE_PACK
-               # (a carried wheel: no build)
+               # (a carried wheel: no build), DECODE_ARGS (more build options, e.g. --strategy breadth)
                local r wheel; for r in $(echo "${1#decode=}" | tr + ' '); do
                  wheel=${DECODE_PACK:-}
                  if [ -z "$wheel" ]; then
                    stage "decode-build-$r" "${DECODE_BUILD_TIME:-330}" python3 -m forgepack build "$r" --target cuda \
-                     --budget "${DECODE_BUDGET:-16}" --time-limit "${DECODE_LIMIT:-240}" \
+                     --budget "${DECODE_BUDGET:-16}" --time-limit "${DECODE_LIMIT:-240}" ${DECODE_ARGS:-} \
                      --workspace "$FORGEPACK_HOME/ws/$r" --out "$OUT/packs/$r"
                    stage "decode-verdicts-$r" 30 python3 tools/verdicts.py "$FORGEPACK_HOME/ws/$r"
                    wheel=$(ls "$OUT/packs/$r"/*.whl 2>/dev/null | head -1)
