@@ -32,6 +32,7 @@ from pathlib import Path
 
 SPEC_TBPS = {"H100": 3.35, "H200": 4.8}  # the vendors' spec sheets, SXM parts
 COLUMNS = ("eager", "graphs", "compiled-loop")  # and pack+graphs, given --pack
+TOP_KERNELS = 12  # per column in the report: enough to name where a missed target goes
 
 
 def copy_bandwidth_tbps() -> float:
@@ -95,18 +96,22 @@ def _ms(fn) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
-def _profiled(run_steps, steps: int) -> tuple[float, int]:
-    """GPU ms and kernels per step over `steps` steps (kernels' self device time, CUDA graphs' included)."""
+def _profiled(run_steps, steps: int) -> tuple[float, int, list]:
+    """GPU ms and kernels per step over `steps` steps (kernels' self device time, CUDA graphs' included),
+    and the step's top kernels by GPU time (name, µs a step, calls a step): where a missed target goes."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     if not torch.cuda.is_available():
-        return 0.0, 0
+        return 0.0, 0, []
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         run_steps(steps)
     events = [e for e in prof.events() if e.device_type.name == "CUDA"]
-    gpu_us = sum(e.self_device_time_total for e in prof.key_averages())
-    return gpu_us / 1e3 / steps, round(len(events) / steps)
+    averages = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+    gpu_us = sum(e.self_device_time_total for e in averages)
+    top = sorted(averages, key=lambda e: -e.self_device_time_total)[:TOP_KERNELS]
+    top = [[e.key[:90], round(e.self_device_time_total / steps, 1), round(e.count / steps, 2)] for e in top]
+    return gpu_us / 1e3 / steps, round(len(events) / steps), top
 
 
 def _compiled_loop(model, ids, steps_total: int):
@@ -211,14 +216,14 @@ def point_main(model, args, batch: int, prompt: int) -> dict:
         full = _ms(lambda: run_steps(steps))
         base = _ms(lambda: run_steps(0)) if generated else 0.0
         rounds.append((full - base) / steps)
-    gpu_ms, kernels = _profiled(run_steps, steps)
+    gpu_ms, kernels, top = _profiled(run_steps, steps)
     if generated:
-        gpu_base, kernels_base = _profiled(lambda n: run_steps(0), 1)
+        gpu_base, kernels_base, _ = _profiled(lambda n: run_steps(0), 1)
         gpu_ms, kernels = gpu_ms - gpu_base / steps, round(kernels - kernels_base / steps)
     weights, kv = step_bytes(model, batch, prompt + steps // 2)
     return {"column": args.column, "recipe": args.recipe, "batch": batch, "prompt": prompt, "steps": steps,
             "round_ms": [round(r, 4) for r in rounds], "step_ms": round(statistics.median(rounds), 4),
-            "gpu_ms": round(gpu_ms, 4), "kernels": kernels,
+            "gpu_ms": round(gpu_ms, 4), "kernels": kernels, "top_kernels": top,
             "recompiles": counters["stats"]["unique_graphs"] - graphs_before,
             "weight_bytes": weights, "kv_bytes": kv}
 
@@ -301,6 +306,11 @@ def main() -> int:
                                     "recompiles", "floor ms (copy / spec)", "GPU / floor(copy)"],
                      tablefmt="github")
     text = f"# Decode step, {name}\n\ncopy bandwidth {copy_tbps:.2f} TB/s, spec {spec} TB/s\n\n{table}\n"
+    for r in results:
+        if r.get("top_kernels"):  # generate()'s columns include a 1-token request's prefill, spread over the steps
+            text += (f"\n## Top kernels: {r['recipe']} b{r['batch']} p{r['prompt']} {r['column']}\n\n"
+                     + tabulate(r["top_kernels"], headers=["kernel", "µs / step", "calls / step"],
+                                tablefmt="github") + "\n")
     (out / "bench_decode_step.md").write_text(text)
     print(text)
     return 0
