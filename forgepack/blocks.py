@@ -728,25 +728,39 @@ def decode_points(recipe: Any, model: Any) -> list[tuple[int, int]]:
     return [(r, c) for r in rows for c in lengths]
 
 
-def _step_weights(recipe: Any, points: list[tuple[int, int]]) -> dict[tuple[int, int], int]:
+def _step_weights(recipe: Any, points: list[tuple[int, int]]) -> dict[tuple[int, int], float]:
     """How many of the profile's decode steps each recorded point stands for, so that a block's share is
-    weighed like the forward calls it replaces: a decode recipe profiles one step; a generate envelope's
+    weighed like the forward calls it replaces: a decode recipe profiles one step, shared out over the
+    points (a block recorded at three cache lengths is one step's block, not three); a generate envelope's
     capture runs `new_tokens - 1` steps at each of its points, which fall in the points' batch buckets
-    (shared out over the cache lengths recorded for that bucket)."""
+    (shared out over the cache lengths recorded for that bucket). Fractions: the calls of a card are
+    summed over its points first and rounded once (`_weighed`)."""
     from forgepack.models import envelope_points
     from forgepack.runtime import serving
 
     w = recipe.workload
     if w.phase != "generate":
-        return {p: 1 for p in points}
+        return {p: 1 / len(points) for p in points}
     opts = serving.ServeOptions()
     steps = max(w.new_tokens - 1, 1)
     out = {}
     for rows, length in points:
         captured = sum(1 for e in envelope_points(w) if (opts.batch_bucket(e["batch"]) or e["batch"]) == rows)
         lengths = sum(1 for r, _ in points if r == rows)
-        out[(rows, length)] = max(1, round(captured * steps / lengths))
+        out[(rows, length)] = captured * steps / lengths
     return out
+
+
+def _weighed(card: Card, calls: float) -> Card:
+    """The card (a block, or a family folded from blocks) at `calls` calls a profiled step, its total
+    and share scaled with them (profiled at the rounded calls of each point)."""
+    n = max(1, round(calls))
+    if card.profile is None or card.calls == n:
+        return dataclasses.replace(card, calls=n)
+    scale = n / card.calls
+    profile = dataclasses.replace(card.profile, total_us=card.profile.total_us * scale,
+                                  share=card.profile.share * scale)
+    return dataclasses.replace(card, calls=n, profile=profile)
 
 
 def record_step(model: Any, rows: int, cache_len: int, prompt: int = 16, seed: int = 0) -> Program:
@@ -790,6 +804,7 @@ def build(model: Any, recipe: Any, device: torch.device, facts: Any, op_cards: l
     points = decode_points(recipe, model)
     weights = _step_weights(recipe, points)
     launches: dict[str, tuple[int, int]] = {}
+    calls: dict[str, float] = {}  # per card id: the profiled steps' calls its points stand for
     for k, (rows, length) in enumerate(points):
         if note is not None:
             note(f"decode blocks at batch {rows}, cache {length}", k, len(points))
@@ -805,18 +820,18 @@ def build(model: Any, recipe: Any, device: torch.device, facts: Any, op_cards: l
         covered = sum(1 for b in blocks for i in b.nodes if program.steps[i].launches)
         launches[f"b{rows} c{length}"] = (program.launches(), program.launches() - covered + len(blocks))
         for block in blocks:
-            card = dataclasses.replace(make_card(program, block), calls=weights[(rows, length)])
-            if card.id in sample_sets:
-                found = [dataclasses.replace(c, calls=c.calls + card.calls) if c.id == card.id else c for c in found]
-                continue
-            found.append(card)
-            sample_sets[card.id] = _sample(program, block)
+            card = make_card(program, block)
+            if card.id not in sample_sets:
+                found.append(card)
+                sample_sets[card.id] = _sample(program, block)
+            calls[card.id] = calls.get(card.id, 0.0) + weights[(rows, length)]
         del program
+    found = [_weighed(c, calls[c.id]) for c in found]
     total = sum(c.profile.total_us for c in op_cards if c.profile)
     profiled = fusion.profile_cards(found, sample_sets, device, facts, total, op_cards) if facts is not None else found
     cards, samples = [], {}
     for card, members in families.fold_members(profiled):
-        card = _slots_within_every_member(card, members)
+        card = _weighed(_slots_within_every_member(card, members), sum(calls[m.id] for m in members))
         cards.append(card)
         rep = max(members, key=lambda m: m.calls)
         samples[card.id] = sample_sets[rep.id]

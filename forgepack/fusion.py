@@ -713,7 +713,7 @@ def profile_cards(cards: list[Card], sample_sets: dict[str, list], device: torch
         else:
             inputs = samples_mod.fresh_inputs(card, seed=0, device=device)
 
-        fn = opcall.stock_call(card, inputs, device)
+        fn = opcall.served_stock_call(card, inputs, device)
         eager_us = timing.median(timing.time_us(fn, device, reps=reps, warmup=2))
         ops_us = operator_us(card, by_key)
         if ops_us is not None and ops_us > 0:

@@ -15,6 +15,7 @@ import torch
 
 from forgepack.cards import Arg, Card
 from forgepack.runtime import stockcall
+from forgepack.runtime.modules import STEP_SITE
 
 
 def is_tensor_list(value: Any) -> bool:
@@ -84,6 +85,45 @@ def stock_call(card: Card, tensors: list[torch.Tensor | None], device: torch.dev
     args, kwargs = call_args(card, tensors, device)
     func = stockcall.resolve(card.op)
     return lambda: stockcall.flatten_outputs(func(*args, **kwargs))
+
+
+def served_stock_call(card: Card, tensors: list[torch.Tensor | None], device: torch.device | str
+                      ) -> Callable[[], list[torch.Tensor]]:
+    """`stock_call` as the model serves the stock computation, for timing it: a decode block's chain runs
+    inside the decode loop's CUDA graph, so on CUDA it is timed as a graph replay. Replayed op by op from
+    Python, a block of 20-odd launches costs the host's dispatch of each (the H100's Llama-1B qkv block
+    read 20x dearer than its fused kernel, which served under the graph pays nothing of it); a chain that
+    cannot be captured is timed as it replays."""
+    call = stock_call(card, tensors, device)
+    if card.kind != "fusion" or torch.device(device).type != "cuda" or card.fusion is None:
+        return call
+    if not any(site.kind == STEP_SITE for site in card.fusion.sites):
+        return call
+    return _graphed(call) or call
+
+
+def _graphed(call: Callable[[], list[torch.Tensor]]) -> Callable[[], list[torch.Tensor]] | None:
+    """`call` captured into a CUDA graph (warmed on a side stream first, as capture requires): a replay
+    returns the outputs the capture allocated. None when the calls cannot be captured."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    try:
+        with torch.cuda.stream(side):
+            call()
+            call()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outputs = call()
+    except RuntimeError:
+        torch.cuda.synchronize()
+        return None
+
+    def replay() -> list[torch.Tensor]:
+        graph.replay()
+        return outputs
+
+    return replay
 
 
 # --- a fusion card's stock: its chain of aten calls, replayed ---------------------------------------

@@ -996,7 +996,7 @@ def bench(card: Card, fn, samples_path: Path | None, device: torch.device | str,
         bad = h.eager_runs(s, None)  # the verified result every benchmark call must reproduce bitwise
         if bad:
             return bad.with_diagnostics(during="benchmark")
-        stock_call = opcall.stock_call(card, [None if g is None else g.view for g in s.inputs], device)
+        stock_call = opcall.served_stock_call(card, [None if g is None else g.view for g in s.inputs], device)
         other = opcall.run_stock(card, samples_mod.fresh_inputs(card, seed + 1, device), device)
         warmup = 3
         calls = TimedCalls(h, s, reps + warmup, other)  # another input's result: "stale" outputs

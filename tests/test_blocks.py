@@ -419,6 +419,27 @@ def test_every_block_cuda_render_is_verified_and_timed_on_the_gpu(arch):
     print({k: round(v.speedup, 2) for k, v in verdicts.items()})
 
 
+@pytest.mark.gpu
+def test_a_blocks_stock_is_timed_as_the_decode_graph_serves_it():
+    """A decode block's stock chain is timed as a CUDA-graph replay (the decode loop's step is one graph):
+    the replay gives what the chain gives, and no Python dispatch of its 20-odd launches is timed."""
+    from forgepack import samples as samples_mod
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    model = tiny("llama", torch.bfloat16).to("cuda")
+    with torch.no_grad():
+        cards = cards_of(blocks.record_step(model, 1, 64, prompt=8))
+    for card in cards:
+        inputs = samples_mod.fresh_inputs(card, 0, torch.device("cuda"))
+        plain = opcall.stock_call(card, inputs, "cuda")
+        served = opcall.served_stock_call(card, inputs, "cuda")
+        first, again = served(), served()
+        assert all(a is b for a, b in zip(first, again, strict=True)), card.fusion.pattern  # a graph's outputs
+        for a, b in zip(first, plain(), strict=True):  # cuBLAS may pick another algorithm under capture
+            torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2, msg=card.fusion.pattern)
+
+
 def test_a_block_weighs_as_many_decode_steps_as_the_profile_ran():
     """A generate envelope's capture runs `new_tokens - 1` decode steps at each point: a block recorded
     once per batch bucket stands for all of them (else the search never reaches the decode's bytes);
@@ -434,7 +455,29 @@ def test_a_block_weighs_as_many_decode_steps_as_the_profile_ran():
     ones = sum(1 for p in captured if p["batch"] == 1)
     assert weights[(1, 256)] == ones * 8
     assert weights[(2, 256)] == weights[(2, 1024)] == round((len(captured) - ones) * 8 / 2)
-    assert blocks._step_weights(base, points) == {p: 1 for p in points}
+    assert blocks._step_weights(base, points) == {p: 1 / len(points) for p in points}
+
+
+def test_a_decode_recipes_blocks_count_one_step_whatever_the_cache_lengths_recorded():
+    """A decode recipe profiles one step; its blocks are recorded at several cache lengths (a family over
+    the cache's length is folded from them), and each length's record is the same step again: a card's
+    calls are those of one step, or its share (and the search's budget) is multiplied by the number of
+    lengths recorded (an H100 build gave the qkv block 735% of the step)."""
+    from collections import Counter
+
+    from forgepack import recipe
+
+    base = recipe.resolve("tiny-llama")
+    decode = base.replace(workload={"phase": "decode", "seq_len": 1, "cache_len": 16, "static_cache": True})
+    model = tiny("llama")
+    model.config.max_position_embeddings = 2048  # room for three rungs of the serving ladder
+    result = blocks.build(model, decode, torch.device("cpu"), None, [])
+    assert len({length for _, length in result.points}) == 3, result.points
+    per_step = Counter(b.kind for b in blocks.find(program_of(model, rows=1))[0])
+    got = Counter()
+    for card in result.cards:
+        got[card.fusion.pattern] += card.calls
+    assert got == per_step and per_step["qkv"] == COMMON["num_hidden_layers"], (got, per_step)
 
 
 def test_a_widened_narrow_value_is_judged_at_the_narrow_dtypes_tolerance():
