@@ -1223,7 +1223,7 @@ def _attention_cuda(card: Card, plan: AttentionPlan, params: dict) -> str:
     ins = card.tensor_inputs()
     k, v = plan.k_slot, plan.v_slot
     kt, ot = (ctype(m.dtype, "cuda") for m in (ins[k], card.outputs[0]))
-    warps = params["warps"]
+    warps, splits = params["warps"], params.get("splits", 1)
     threads = warps * 32
     group = plan.heads // plan.kv_heads
     nq = group * plan.queries  # query rows sharing one key/value head
@@ -1235,17 +1235,24 @@ def _attention_cuda(card: Card, plan: AttentionPlan, params: dict) -> str:
     out = card.outputs[0]
     size = ins[k].itemsize
     vec = 16 // size if plan.dim * size % 16 == 0 else 0
-    kernel = _unpack(ins[k].dtype) + f"""
-// One block per (row, key/value head); warp w takes the slots w*32.., stepping by {threads}. Lane j of a
-// warp scores slot base+j against every query row of the group, then the warp folds the 32 slots into
-// each row's running max, sum and output (lane j keeps output dims j, j+32, ...). A chunk of 32 slots the
-// mask excludes is skipped whole: its keys and values are never read.
-__global__ void __launch_bounds__({threads}) fp_attention(const fp_args p) {{
+    kernel = "#include <cooperative_groups.h>\n" + _unpack(ins[k].dtype) + f"""
+// One cluster of {splits} blocks per (row, key/value head), each block a {splits}th of the cache's slots (the
+// split of flash-decoding: at batch 1 a model's few key/value heads alone would leave most SMs idle);
+// warp w of a block takes its slots w*32.., stepping by {threads}. Lane j of a warp scores slot base+j
+// against every query row of the group, then the warp folds the 32 slots into each row's running max, sum
+// and output (lane j keeps output dims j, j+32, ...). A chunk of 32 slots the mask excludes is skipped
+// whole: its keys and values are never read. The warps' partial results fold into the block's, and the
+// cluster's first block folds the blocks' through distributed shared memory: one launch, no workspace.
+__global__ void __cluster_dims__({splits}, 1, 1) __launch_bounds__({threads}) fp_attention(const fp_args p) {{
   __shared__ float qs[{nq}][{plan.dim}];
   __shared__ float wm[{warps}][{nq}], wl[{warps}][{nq}];
   __shared__ float wo[{warps}][{nq}][{plan.dim}];
-  const int64_t b = blockIdx.x / {plan.kv_heads}, kh = blockIdx.x % {plan.kv_heads};
-  const int64_t slots = p.n{k}[2];
+  __shared__ float bm[{nq}], bl[{nq}], bo[{nq}][{plan.dim}];
+  cooperative_groups::cluster_group cluster = cooperative_groups::this_cluster();
+  const int64_t split = cluster.block_rank(), unit = blockIdx.x / {splits};
+  const int64_t b = unit / {plan.kv_heads}, kh = unit % {plan.kv_heads};
+  const int64_t per = ((p.n{k}[2] + {splits - 1}) / {splits} + 31) / 32 * 32;
+  const int64_t first = split * per, slots = p.n{k}[2] < first + per ? p.n{k}[2] : first + per;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   for (int i = threadIdx.x; i < {nq * plan.dim}; i += {threads}) {{
     const int r = i / {plan.dim}, d = i % {plan.dim};
@@ -1263,7 +1270,7 @@ __global__ void __launch_bounds__({threads}) fp_attention(const fp_args p) {{
   const {kt}* vb = p.in{v} + b * p.s{v}[0] + kh * p.s{v}[1];
   const bool kvec = {"true" if vec else "false"} && p.s{k}[3] == 1 && (p.s{k}[2] * (int64_t)sizeof({kt})) % 16 == 0
                     && reinterpret_cast<uintptr_t>(kb) % 16 == 0;
-  for (int64_t base = warp * 32; base < slots; base += {threads}) {{
+  for (int64_t base = first + warp * 32; base < slots; base += {threads}) {{
     const int64_t s = base + lane;
     float add = -FP_INF;  // 0: the slot is read; -inf: the mask excludes it (the same for every head and query)
     if (s < slots && !fp_dead(p, b, kh * {group}, 0, s)) add = 0.0f;
@@ -1339,14 +1346,36 @@ __global__ void __launch_bounds__({threads}) fp_attention(const fp_args p) {{
       total += wl[w][r] * f;
       acc += wo[w][r][d] * f;
     }}
-    p.out0[b * {out.stride[0]} + (kh * {nq} + r) * {plan.dim} + d] = fp_st<{ot}>(total > 0.0f ? acc / total : 0.0f);
+    bo[r][d] = acc;
+    if (d == 0) {{ bm[r] = top; bl[r] = total; }}
   }}
+  cluster.sync();  // every block's partial result in its shared memory
+  if (split == 0) {{
+    for (int i = threadIdx.x; i < {nq * plan.dim}; i += {threads}) {{
+      const int r = i / {plan.dim}, d = i % {plan.dim};
+      float top = -FP_INF;
+      for (int q = 0; q < {splits}; ++q) top = fmaxf(top, *cluster.map_shared_rank(&bm[r], q));
+      float total = 0.0f, acc = 0.0f;
+      for (int q = 0; q < {splits}; ++q) {{
+        const float mq = *cluster.map_shared_rank(&bm[r], q);
+        if (mq == -FP_INF) continue;
+        const float f = __expf(mq - top);
+        total += *cluster.map_shared_rank(&bl[r], q) * f;
+        acc += *cluster.map_shared_rank(&bo[r][d], q) * f;
+      }}
+      p.out0[b * {out.stride[0]} + (kh * {nq} + r) * {plan.dim} + d] = fp_st<{ot}>(total > 0.0f ? acc / total : 0.0f);
+    }}
+  }}
+  cluster.sync();  // no block leaves while the first reads its shared memory
 }}
 """
     launch = "\n  ".join(["fp_args p;", *inits,
-                          f"fp_attention<<<{plan.rows * plan.kv_heads}u, {threads}, 0, stream>>>(p);",
+                          f"fp_attention<<<{plan.rows * plan.kv_heads * splits}u, {threads}, 0, stream>>>(p);",
                           launch_status("cuda")])
     return prelude("cuda") + struct + _attention_fns(card, plan, "cuda") + kernel + _entry(card, "cuda", launch)
+
+
+CACHE_SPLITS = [1, 2, 4, 8]  # blocks of a cluster over the cache's slots (8: the portable cluster size)
 
 
 class AttentionBlockTemplate(_BlockTemplate):
@@ -1358,15 +1387,21 @@ class AttentionBlockTemplate(_BlockTemplate):
         plan = attention_plan(card)
         if target == "cuda":
             nq = plan.heads // plan.kv_heads * plan.queries
-            if (nq * plan.dim * 4) * (1 + 16) + 2 * 16 * nq * 4 > 96 * 1024:
+            if (nq * plan.dim * 4) * (1 + 16 + 1) + 2 * 17 * nq * 4 > 96 * 1024:
                 raise Refused("too many query rows per key/value head for shared memory")
         return plan
 
     def axes(self, plan: AttentionPlan, target: str) -> dict[str, list]:
-        return {} if target == "cpu" else {"warps": [8, 4, 16]}
+        return {} if target == "cpu" else {"warps": [4, 8, 16], "splits": CACHE_SPLITS}
 
     def pick_default(self, plan, axes, target):
-        return {} if target == "cpu" else {"warps": 8}
+        if target == "cpu":
+            return {}
+        # enough clusters to reach about half of a large GPU's SMs; a split of a short cache has few slots
+        # (a family's cache reaches thousands), and an empty split only folds nothing in
+        units = plan.rows * plan.kv_heads
+        splits = next((n for n in CACHE_SPLITS if units * n >= 64), CACHE_SPLITS[-1])
+        return {"warps": 4, "splits": splits}
 
     def emit(self, card: Card, plan: AttentionPlan, target: str, params: dict) -> str:
         if target == "cpu":
