@@ -346,6 +346,43 @@ print(json.dumps({"stock": stock, "served": served, "programs": programs, "stats
 """
 
 
+# The block gate on the real pack and model with a deterministic clock: each timed generate() costs 10 ms
+# plus `cost[op]` ms per call of that op's kernel during it (negative: the block saves time), +-0.5% jitter.
+GATED = r"""
+import json, random, sys
+import torch
+sys.path.insert(0, REPO)
+import PACKAGE as pack
+from forgepack import models, recipe as recipe_mod
+from forgepack.pack import gate
+
+class HitClock:
+    def __init__(self, cost, seed):
+        self.cost, self.t, self.calls, self.rng, self.before = cost, 0.0, 0, random.Random(seed), {}
+
+    def hits(self):
+        return {k: (v["op"], v["hits"]) for k, v in pack.stats().items()}
+
+    def __call__(self):
+        self.calls += 1
+        if self.calls % 2:
+            self.before = self.hits()
+            return self.t
+        ms = 10.0 + sum(self.cost.get(op, 0.0) * (n - self.before[k][1]) for k, (op, n) in self.hits().items())
+        self.t += ms * (1 + self.rng.uniform(-0.005, 0.005)) / 1e3
+        return self.t
+
+lm = models.load(recipe_mod.concrete(recipe_mod.load(RECIPE)))
+blocks_ = gate.block_ids(pack)
+out = {"blocks": {v["id"]: v["op"] for v in pack.fused_kernels() if v["id"] in blocks_}}
+for name, cost in json.loads(SCENARIOS).items():
+    kept, dropped, ratios, timing, note = gate.gate_blocks(lm, pack, blocks_, [], "full",
+                                                           gate.Timer(5, 1, HitClock(cost, 0)))
+    out[name] = {"kept": kept, "dropped": dropped}
+print(json.dumps(out))
+"""
+
+
 # The gate times the served decode with the real clock: on a 2-core runner beside another test file its
 # intervals reach 0.5-2.8x and it rightly ships nothing, so the gated build runs under `-m long`; the
 # default run builds the same pack ungated and checks that every block it holds is placed and serves.
@@ -371,6 +408,30 @@ def test_a_decode_pack_serves_generate_from_its_wheel_with_its_blocks(tmp_path, 
     assert program["with_blocks"] < program["launches"], program
     kept = {v: s for v, s in out["stats"].items() if s["op"] in blocks.BLOCK_OPS}
     assert kept and all(s["hits"] > 0 for s in kept.values()), out["stats"]  # every kept block placed
+    if not gate:
+        gate_decides_by_the_clock(path, site, package, env)
+
+
+def gate_decides_by_the_clock(recipe_path, site, package, env) -> None:
+    """The block gate's decisions on the real served decode, timed by a clock that charges each kernel's
+    calls: a kind that saves time is kept, one that costs or makes no difference is dropped and says why."""
+    qkv, gate_up, attention = "fusion.qkv.default", "fusion.gate_up.default", "fusion.attention.default"
+    scenarios = {"pays": {qkv: -0.2, gate_up: -0.2, attention: 0.3}, "costs": {op: 0.2 for op in blocks.BLOCK_OPS}}
+    code = (GATED.replace("REPO", repr(str(REPO))).replace("PACKAGE", package)
+            .replace("RECIPE", repr(str(recipe_path))).replace("SCENARIOS", repr(json.dumps(scenarios))))
+    done = subprocess.run([sys.executable, "-c", code], env={**env, "PYTHONPATH": f"{site}:{REPO}"},
+                          capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    op_of = out["blocks"]
+    assert {qkv, gate_up, attention} <= set(op_of.values()), op_of
+    pays = out["pays"]
+    assert {op_of[v] for v in pays["kept"]} == {qkv, gate_up}, pays
+    for vid, why in pays["dropped"].items():  # attention costs time; the others make no difference
+        assert op_of[vid] not in (qkv, gate_up) and "the served decode is not faster with the" in why, (vid, why)
+    assert set(pays["dropped"]) == set(op_of) - set(pays["kept"])
+    costs = out["costs"]
+    assert costs["kept"] == [] and set(costs["dropped"]) == set(op_of), costs
 
 
 def test_launches_per_layer_with_blocks():
