@@ -598,9 +598,23 @@ def _render_cuda(card: Card, plan: GemvPlan, params: dict) -> str:
         red_stmts, red_value = _reduction_term(card, chain, "cuda", plan)
         x_stmts, x_value = _x_value(card, chain, "cuda", plan)
         red_dtype = chain[plan.reduction].outs[0].dtype
-        stage = f"""  // the prologue: each row's reduction, then the normalised row into shared memory
+        stage = f"""  // the first weight chunks of each warp asked of L2 before the prologue: their DRAM latency hides
+  // behind it (else every block streams nothing until its norm is done)
+  for (int j = 0; j < {cols}; ++j) {{
+    const int lc = min((int)(threadIdx.x / 32) * {cols} + j, {tile_cols - 1});
+    float unused;
+    const {wt}* w = fp_weight(p, (int64_t)(lc / {tc}) * {plan.width} + lo + lc % {tc}, &unused);
+#pragma unroll
+    for (int u = 0; u < {unroll}; ++u) {{
+      const int64_t kk = (threadIdx.x % 32) * {vec} + u * {32 * vec};
+      if (kk < {plan.k}) asm volatile("prefetch.global.L2 [%0];" :: "l"(w + kk));
+    }}
+  }}
+  // the prologue: each row's reduction, then the normalised row into shared memory (loops unrolled: each
+  // thread's loads issued together, not one latency after another)
   for (int b = 0; b < {rows}; ++b) {{
     float acc = 0.0f;
+#pragma unroll
     for (int64_t k = threadIdx.x; k < {plan.k}; k += {threads}) {{
       {' '.join(red_stmts)}
       acc += {red_value};
@@ -608,6 +622,7 @@ def _render_cuda(card: Card, plan: GemvPlan, params: dict) -> str:
     acc = fp_block_sum(acc, scratch);
     const float red = fp_round_{red_dtype}(acc{_mean_scale(card, chain, plan)});
     (void)red;
+#pragma unroll
     for (int64_t k = threadIdx.x; k < {plan.k}; k += {threads}) {{
       {' '.join(x_stmts)}
       xs[b * {plan.k} + k] = fp_st<{wt}>({x_value});
