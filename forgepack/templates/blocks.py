@@ -598,23 +598,9 @@ def _render_cuda(card: Card, plan: GemvPlan, params: dict) -> str:
         red_stmts, red_value = _reduction_term(card, chain, "cuda", plan)
         x_stmts, x_value = _x_value(card, chain, "cuda", plan)
         red_dtype = chain[plan.reduction].outs[0].dtype
-        stage = f"""  // the first weight chunks of each warp asked of L2 before the prologue: their DRAM latency hides
-  // behind it (else every block streams nothing until its norm is done)
-  for (int j = 0; j < {cols}; ++j) {{
-    const int lc = min((int)(threadIdx.x / 32) * {cols} + j, {tile_cols - 1});
-    float unused;
-    const {wt}* w = fp_weight(p, (int64_t)(lc / {tc}) * {plan.width} + lo + lc % {tc}, &unused);
-#pragma unroll
-    for (int u = 0; u < {unroll}; ++u) {{
-      const int64_t kk = (threadIdx.x % 32) * {vec} + u * {32 * vec};
-      if (kk < {plan.k}) asm volatile("prefetch.global.L2 [%0];" :: "l"(w + kk));
-    }}
-  }}
-  // the prologue: each row's reduction, then the normalised row into shared memory (loops unrolled: each
-  // thread's loads issued together, not one latency after another)
+        stage = f"""  // the prologue: each row's reduction, then the normalised row into shared memory
   for (int b = 0; b < {rows}; ++b) {{
     float acc = 0.0f;
-#pragma unroll
     for (int64_t k = threadIdx.x; k < {plan.k}; k += {threads}) {{
       {' '.join(red_stmts)}
       acc += {red_value};
@@ -622,7 +608,6 @@ def _render_cuda(card: Card, plan: GemvPlan, params: dict) -> str:
     acc = fp_block_sum(acc, scratch);
     const float red = fp_round_{red_dtype}(acc{_mean_scale(card, chain, plan)});
     (void)red;
-#pragma unroll
     for (int64_t k = threadIdx.x; k < {plan.k}; k += {threads}) {{
       {' '.join(x_stmts)}
       xs[b * {plan.k} + k] = fp_st<{wt}>({x_value});
@@ -835,11 +820,7 @@ class GemvBlockTemplate(_BlockTemplate):
         # 8 warps, each a few columns of the tile per pass (the warps of a narrow tile one column each)
         slots = tile * plan.parts
         cols = 4 if slots >= 64 else 2 if slots >= 16 else 1
-        # at least 32 KB of weights in flight per block (8 warps x cols x unroll x 512 B): with one column a
-        # warp, 4 chunks left an H100's down projection at 1.4 TB/s
-        vec = 16 // {"float32": 4, "float16": 2, "bfloat16": 2}[plan.wdtype]
-        unroll = 8 if cols == 1 and plan.k >= 8 * 32 * vec else 4
-        return {"tile": tile, "warps": 8, "cols": cols, "unroll": unroll}
+        return {"tile": tile, "warps": 8, "cols": cols, "unroll": 4}
 
     def emit(self, card: Card, plan: GemvPlan, target: str, params: dict) -> str:
         if target == "cpu":
