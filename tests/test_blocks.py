@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 import subprocess
 import sys
@@ -265,6 +266,27 @@ def test_kernels_that_cheat_on_the_cache_or_the_mask_are_rejected():
     unmasked = _with_body(source, "if (fp_dead(p, b, h, l, s)) continue;", "")
     verdict = evaluate.evaluate(att, unmasked, target="cpu", bench=False)
     assert verdict.category == "mismatch", verdict.reason
+
+
+def test_a_mask_that_excludes_with_a_finite_value_is_read_as_stock_reads_it():
+    """PyTorch's cuDNN attention converts a boolean mask with -65504 (-65536 in bf16), not -inf: on large
+    scores an excluded slot still counts, so stock reads it. The block's mask constant comes from the chain:
+    its kernel scores every slot with that bias and passes; one that skips excluded slots as if they were
+    -inf is rejected (an H100 verdict: 'differs on the large input' in 929 of 2048 elements)."""
+    att = next(c for c in cards_of(program_of(tiny("llama", torch.bfloat16))) if c.fusion.pattern == "attention")
+    chain = list(att.chain)
+    k = next(i for i, e in enumerate(chain) if e.op == "aten.scalar_tensor.default" and e.args[0].value == -math.inf)
+    chain[k] = dataclasses.replace(chain[k], args=(dataclasses.replace(chain[k].args[0], value=-65504.0),
+                                                   *chain[k].args[1:]))
+    finite = dataclasses.replace(att, chain=tuple(chain))
+    assert block_templates.attention_plan(finite).mask_values == (0.0, -65536.0)
+    t = block_templates.AttentionBlockTemplate("blocks.attention", "blocks", ("cpu",), blocks.BLOCK_OPS)
+    source = t.render(finite, "cpu", {})
+    verdict = evaluate.evaluate(finite, source, target="cpu", bench=False)
+    assert verdict.category is None, verdict.reason
+    skipping = _with_body(source, "-65536.0f) == -FP_INF;", "-FP_INF) == -FP_INF;")  # excluded slots never read
+    verdict = evaluate.evaluate(finite, skipping, target="cpu", bench=False)
+    assert verdict.category == "mismatch" and "large input" in verdict.reason, verdict.reason
 
 
 def test_eager_attention_kernels_that_drop_the_cap_or_the_tail_are_rejected():

@@ -879,6 +879,10 @@ class AttentionPlan:
     dot_at: int = -1
     q_ref: tuple = ()
     dead: float = -math.inf
+    # a boolean mask converted inside the block: the values it becomes where true and where false. PyTorch's
+    # cuDNN attention excludes with -65504 (in bf16 -65536), not -inf: a slot so excluded still counts where
+    # the scores are larger than that, so the kernel reads it as stock does; only -inf is never read
+    mask_values: tuple[float, float] = (0.0, -math.inf)
 
 
 def attention_plan(card: Card) -> AttentionPlan:
@@ -899,7 +903,9 @@ def attention_plan(card: Card) -> AttentionPlan:
     mask_name = _SDPA_MASK[e.op]
     mask = e.tensor(mask_name) if mask_name else None
     converted = mask is not None and mask[0] == "t"
+    values = (0.0, -math.inf)
     if converted:
+        values = _mask_values(chain, mask)
         mask = _boolean_mask(chain, mask)
     ins = card.tensor_inputs()
     qmeta, kmeta, vmeta = meta_of(card, chain, q), ins[k_slot], ins[v_slot]
@@ -928,7 +934,7 @@ def attention_plan(card: Card) -> AttentionPlan:
     if dtype not in FLOAT_DTYPES or card.outputs[0].dtype != dtype:
         raise Refused("an attention of another dtype")
     return AttentionPlan(rows, heads, queries, kv_heads, slots, dim, scale, q_slot, k_slot, v_slot, mask_slot,
-                         mask_bool, dtype, card.outputs[0].dtype)
+                         mask_bool, dtype, card.outputs[0].dtype, mask_values=values)
 
 
 def _eager_plan(card: Card, chain: list[Entry], block: dict) -> AttentionPlan:
@@ -1066,6 +1072,28 @@ def _boolean_mask(chain: list[Entry], ref: tuple) -> tuple:
     return bools[0]
 
 
+def _mask_values(chain: list[Entry], ref: tuple) -> tuple[float, float]:
+    """(where true, where false): the values a boolean mask becomes in the conversion SDPA is given, read from
+    its `where(mask, a, b)` of two scalar constants, each rounded to its dtype as the chain makes it."""
+    import torch
+
+    ref = _plain(ref)
+    e = chain[ref[1]]
+    while e.op in ("expand", "view", "unsqueeze", "alias", "detach") and _plain(_source(e))[0] == "t":
+        e = chain[_plain(_source(e))[1]]
+    if e.op != "where":
+        raise Refused(f"a boolean mask converted by {e.op}, not by a where of two constants")
+    values = []
+    for name in ("self", "other"):
+        src = _plain(e.tensor(name))
+        made = chain[src[1]] if src[0] == "t" else None
+        if made is None or made.op != "scalar_tensor":
+            raise Refused("a boolean mask converted by a where of other than two constants")
+        dtype = getattr(torch, made.value("dtype") or "float32")
+        values.append(float(torch.tensor(float(made.value("s")), dtype=dtype).item()))
+    return values[0], values[1]
+
+
 def _row_flat(meta: TensorMeta) -> bool:
     """Whether a row's elements lie contiguously in row-major order (the batch stride aside)."""
     expect = 1
@@ -1127,7 +1155,8 @@ def _mask_term(card: Card, plan: AttentionPlan, b: str, head: str, query: str, s
     coords = [(b, 0), (head, 1), (query, 2), (slot, 3)]
     off = " + ".join(f"({c}) * p.s{m}[{d}]" for c, d in coords if meta.shape[d] != 1 or d == 3)
     read = f"p.in{m}[{off}]"
-    return f"({read} ? 0.0f : -FP_INF)" if plan.mask_bool else f"fp_ld({read})"
+    attend, excluded = plan.mask_values
+    return f"({read} ? {flit(attend)} : {flit(excluded)})" if plan.mask_bool else f"fp_ld({read})"
 
 
 class _AttentionEmitter(_Emitter):
