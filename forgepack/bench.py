@@ -189,7 +189,29 @@ def run_bench(ctx: BenchContext, names: list[str], rounds: int, reps: int, seed:
         result["pack_hits"] = hits
     for name, stats in ctx.extras.get("graph_stats", {}).items():
         result["columns"][name]["graphs"] = stats()
+    if ctx.pack is not None:
+        launches = decode_launches(ctx.lm, ctx.pack)
+        if launches:
+            result["decode_launches"] = launches
     return result
+
+
+def decode_launches(lm, pack) -> dict[str, dict[str, int]]:
+    """Per decode program (batch bucket and cache length) of a served generate() with every kernel of the
+    pack, the step's launches stock and with the pack's decode blocks, from the decode loop's own count;
+    empty for a pack without blocks (its step is stock's)."""
+    from forgepack.pack import gate
+
+    if not gate.block_ids(pack):
+        return {}
+    served = gate.Served(lm, pack)
+    try:
+        served.serve(set(pack.variant_ids()))
+        served.run()
+        programs = served.loop_stats().get("programs") or {}
+    finally:
+        served.stock()
+    return {name: {k: p[k] for k in ("launches", "with_blocks", "blocks")} for name, p in programs.items()}
 
 
 def _run_in(col: Column, fn: Callable[[], Any]) -> Any:

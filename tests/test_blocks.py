@@ -432,6 +432,20 @@ def test_a_decode_pack_serves_generate_from_its_wheel_with_its_blocks(tmp_path, 
     assert kept and all(s["hits"] > 0 for s in kept.values()), out["stats"]  # every kept block placed
     if not gate:
         gate_decides_by_the_clock(path, site, package, env)
+        bench_reports_the_decode_steps_launches(tmp_path, path, env)
+
+
+def bench_reports_the_decode_steps_launches(tmp_path, recipe_path, env) -> None:
+    """`forgepack bench` with a decode pack says what a served decode step launches, stock and with the pack's
+    blocks, from the decode loop's own count."""
+    wheel = next((tmp_path / "packs").glob("*.whl"))
+    done = subprocess.run([sys.executable, "-m", "forgepack", "bench", str(recipe_path), "--pack", str(wheel),
+                           "--columns", "eager,pack", "--rounds", "1", "--reps", "1", "--json",
+                           "--workspace", str(tmp_path / "bench")],
+                          env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (program,) = json.loads(done.stdout)["decode_launches"].values()
+    assert program["blocks"] >= 5 and program["with_blocks"] < program["launches"], program
 
 
 def gate_decides_by_the_clock(recipe_path, site, package, env) -> None:

@@ -203,10 +203,13 @@ def test_build_with_a_local_openai_compatible_server(profiled, tmp_path):
     server.script = [chat_llm(kernels)] * 50
     env = {k: v for k, v in os.environ.items() if k not in ("OPENAI_API_KEY", "OPENAI_BASE_URL", prices.PRICE_ENV)}
     budget = 6
+    # the gate off: this test is about the client and its verdicts; whether the one accepted kernel pays end
+    # to end is the real clock's to say on a loaded runner (it once read 0.998x, and no wheel was written)
     try:
         result = cli(["build", "tiny-llama", "--target", "cpu", "--proposer", "openai",
                       "--llm-base-url", f"{server.url}/v1", "--llm-model", "local-coder", "--llm-price", "0,0",
-                      "--budget", str(budget), "--workspace", str(ws.root), "--out", str(tmp_path / "packs")],
+                      "--budget", str(budget), "--workspace", str(ws.root), "--out", str(tmp_path / "packs"),
+                      "--no-gate"],
                      cwd=tmp_path, env=env)
     finally:
         server.close()

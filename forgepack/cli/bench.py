@@ -153,4 +153,7 @@ def table(result: dict[str, Any]) -> Table:
     if "pack_hits" in result:
         used = sum(1 for h in result["pack_hits"].values() if h)
         console.print(f"pack kernels used: {used} of {len(result['pack_hits'])}")
+    for name, p in result.get("decode_launches", {}).items():
+        console.print(f"{name}: a served decode step launches {p['launches']} kernels stock, {p['with_blocks']} "
+                      f"with the pack ({p['blocks']} blocks)")
     return t
