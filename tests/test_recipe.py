@@ -17,9 +17,10 @@ def test_builtin_recipes_round_trip(name):
     assert recipe.loads(recipe.dumps(resolved)) == resolved
 
 
-def test_six_gpu_reference_recipes_exist():
+def test_gpu_reference_recipes_exist():
     gpu = {n for n in recipe.builtin_names() if recipe.resolve(n).target.device == "cuda"}
-    assert gpu == {"llama-1b-prefill", "llama-1b-decode", "qwen2-0.5b-prefill", "gpt2", "vit-base", "resnet-50"}
+    assert gpu == {"llama-1b-prefill", "llama-1b-decode", "qwen2-0.5b-prefill", "qwen2-0.5b-decode", "gpt2",
+                   "vit-base", "resnet-50"}
 
 
 def test_default_recipe_is_tiny_llama_on_this_machines_device():

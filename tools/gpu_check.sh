@@ -51,6 +51,7 @@
 #          (its --time-limit). One call:  BUILD_LIMIT=150 ENVELOPE_GATE=1 ENVELOPE_TRACE=0 bash tools/gpu_check.sh
 #          build=llama-1b-decode envelope=llama-1b-decode shapes=llama-1b-decode)
 #   overhead=a+b (tools/probe_overhead.py: host time per op, stock against the envelope and exact packs of shapes=a; OVERHEAD_ARGS)
+#   gemv=a+b: tools/probe_gemv_blocks.py per shape (llama, qwen2): the GEMV blocks' template axes swept on the GPU
 #   tests=a+b: the GPU tests of tests/test_a.py and tests/test_b.py only (per lane).
 #   search=a+b: the allocator-vs-uniform benchmark on these recipes only (per lane).
 #   packs: builds a pack per recipe and times eager / pack / graphs / pack+graphs / torch.compile /
@@ -212,6 +213,12 @@ run_stage() {
                    stage "overhead-$b" "${OVERHEAD_TIME:-120}" python3 tools/probe_overhead.py --base "$b" --pack "$env_whl" \
                      ${exact_whl:+--exact "$exact_whl"} ${OVERHEAD_ARGS:-}
                  fi
+               done ;;
+    gemv=*)    # gemv=llama+qwen2: tools/probe_gemv_blocks.py, each GEMV block of that shape's decode step over its
+               # template's axes, one at a time, then the best of each (GEMV_TIME, default 200)
+               local a; for a in $(echo "${1#gemv=}" | tr + ' '); do
+                 stage "gemv-$a" "${GEMV_TIME:-200}" python3 tools/probe_gemv_blocks.py --arch "$a" \
+                   --budget-s "$(( ${GEMV_TIME:-200} - 50 ))" --out "$OUT/results/gemv-$a"
                done ;;
     graphs)    stage graphs "${GRAPHS_TIME:-300}" python3 tools/bench_graphs.py ;;
     fusion)    stage fusion "${FUSION_TIME:-300}" python3 tools/bench_fusion.py --budget-s "${FUSION_BUDGET_S:-230}" ;;

@@ -585,6 +585,7 @@ def _y_reader_cpu(plan: GemvPlan, tc: int) -> str:
 def _render_cuda(card: Card, plan: GemvPlan, params: dict) -> str:
     chain = entries(card)
     tc, warps, cols, unroll = params["tile"], params["warps"], params["cols"], params["unroll"]
+    split = params.get("split", 1)
     struct, inits = _fields(card, "cuda")
     sinks = "".join(_sink_body(card, chain, "cuda", plan, s, j) for j, s in enumerate(plan.sinks))
     ins = card.tensor_inputs()
@@ -627,7 +628,32 @@ def _render_cuda(card: Card, plan: GemvPlan, params: dict) -> str:
         epilogue.append(f"""    {{ const int64_t f = lo + q - {s.off};
       if ({s.part} == part && f >= 0 && f < {s.per_row}) fp_sink{j}(p, ys, b, f, lo, 0.0f); }}""")
     step = 32 * vec * unroll
+    # split > 1: a cluster of `split` blocks per tile, block r the r-th slice of K (whole 32-lane chunks);
+    # the first folds the others' partial products through distributed shared memory, then rounds.
+    per = ceil_div(ceil_div(plan.k, split), 32 * vec) * 32 * vec
+    k_lo, k_hi = ("0", str(plan.k)) if split == 1 else (f"rank * {per}", f"min((int64_t){plan.k}, (rank + 1) * {per})")
+    partial = "fp_round_mm(acc[j][b] + bias[j], wcol[j])" if split == 1 else "acc[j][b]"
+    fold = "" if split == 1 else f"""  cluster.sync();  // every block's partial products in its shared memory
+  if (rank == 0) {{
+    for (int e = threadIdx.x; e < {rows * tile_cols}; e += {threads}) {{
+      float total = 0.0f;
+#pragma unroll
+      for (int q = 0; q < {split}; ++q) total += *cluster.map_shared_rank(&ys[e], q);
+      const int lc = e % {tile_cols};
+      const int64_t col = (int64_t)(lc / {tc}) * {plan.width} + lo + lc % {tc};
+      float bias;
+      (void)fp_weight(p, col, &bias);
+      ys[e] = fp_round_mm(total + bias, col);
+    }}
+  }}
+  cluster.sync();  // no block leaves while the first reads its shared memory
+  if (rank != 0) return;"""
+    cluster_head = "" if split == 1 else f"__cluster_dims__({split}, 1, 1) "
+    rank_stmt = "" if split == 1 else (
+        "  cooperative_groups::cluster_group cluster = cooperative_groups::this_cluster();\n"
+        "  const int64_t rank = cluster.block_rank();")
     kernel = f"""
+{"#include <cooperative_groups.h>" if split > 1 else ""}
 {unpack}
 
 FP_FN float fp_block_sum(float v, float* scratch) {{
@@ -641,13 +667,15 @@ FP_FN float fp_block_sum(float v, float* scratch) {{
   return total;
 }}
 
-__global__ void __launch_bounds__({threads}) fp_block(const fp_args p) {{
+__global__ void {cluster_head}__launch_bounds__({threads}) fp_block(const fp_args p) {{
   extern __shared__ __align__(16) unsigned char smem_[];
   float* ys = reinterpret_cast<float*>(smem_);
   float* scratch = ys + {rows * tile_cols};
   {wt}* xs = reinterpret_cast<{wt}*>(scratch + 32);
   (void)xs;
-  const int64_t lo = (int64_t)blockIdx.x * {tc};
+  const int64_t lo = (int64_t)(blockIdx.x / {split}) * {tc};
+{rank_stmt}
+  const int64_t k_lo = {k_lo}, k_hi = {k_hi};
 {stage}
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   // the products: warp `warp` takes columns warp*{cols} + i*{warps * cols} of the tile
@@ -666,19 +694,19 @@ __global__ void __launch_bounds__({threads}) fp_block(const fp_args p) {{
     for (int j = 0; j < {cols}; ++j)
 #pragma unroll
       for (int b = 0; b < {rows}; ++b) acc[j][b] = 0.0f;
-    for (int64_t k0 = lane * {vec}; k0 < {plan.k}; k0 += {step}) {{
+    for (int64_t k0 = k_lo + lane * {vec}; k0 < k_hi; k0 += {step}) {{
       uint4 wv[{unroll}][{cols}];
 #pragma unroll
       for (int u = 0; u < {unroll}; ++u)
 #pragma unroll
         for (int j = 0; j < {cols}; ++j) {{
           const int64_t kk = k0 + u * {32 * vec};
-          wv[u][j] = kk < {plan.k} ? __ldcs(reinterpret_cast<const uint4*>(wrow[j] + kk)) : make_uint4(0u, 0u, 0u, 0u);
+          wv[u][j] = kk < k_hi ? __ldcs(reinterpret_cast<const uint4*>(wrow[j] + kk)) : make_uint4(0u, 0u, 0u, 0u);
         }}
 #pragma unroll
       for (int u = 0; u < {unroll}; ++u) {{
         const int64_t kk = k0 + u * {32 * vec};
-        if (kk >= {plan.k}) break;
+        if (kk >= k_hi) break;
 #pragma unroll
         for (int b = 0; b < {rows}; ++b) {{
           float x[{vec}];
@@ -703,11 +731,12 @@ __global__ void __launch_bounds__({threads}) fp_block(const fp_args p) {{
         if (c0 + j < {tile_cols})
 #pragma unroll
           for (int b = 0; b < {rows}; ++b) {{
-            ys[b * {tile_cols} + c0 + j] = fp_round_mm(acc[j][b] + bias[j], wcol[j]);
+            ys[b * {tile_cols} + c0 + j] = {partial};
           }}
     }}
   }}
   __syncthreads();
+{fold}
   // the epilogue: every element whose products lie in this tile
   for (int e = threadIdx.x; e < {rows * tile_cols}; e += {threads}) {{
     const int64_t b = e / {tile_cols}, lc = e % {tile_cols}, part = lc / {tc}, q = lc % {tc};
@@ -722,7 +751,7 @@ __global__ void __launch_bounds__({threads}) fp_block(const fp_args p) {{
         *([] if plan.prologue else [f"if (((uintptr_t)p.in{plan.x_ref[1]}) % 16u != 0) return FP_ERR_UNSUPPORTED;"]),
         f"if ({smem} > 48 * 1024 && cudaFuncSetAttribute(fp_block, cudaFuncAttributeMaxDynamicSharedMemorySize, "
         f"{smem}) != cudaSuccess) return FP_ERR_UNSUPPORTED;",
-        f"fp_block<<<{tiles}u, {threads}, {smem}, stream>>>(p);",
+        f"fp_block<<<{tiles * split}u, {threads}, {smem}, stream>>>(p);",
         launch_status("cuda"),
     ])
     code = prelude("cuda") + struct + _weight_fn(card, plan, "cuda") + _y_reader(plan, tc) + sinks + kernel
@@ -737,6 +766,9 @@ def _entry(card: Card, target: str, body: str) -> str:
 
 
 # --- the template ---------------------------------------------------------------------------------------------
+
+
+GEMV_SPLITS = [1, 2, 4, 8]  # blocks of a cluster over K (8: the portable cluster size)
 
 
 def _tiles(plan: GemvPlan) -> list[int]:
@@ -808,7 +840,9 @@ class GemvBlockTemplate(_BlockTemplate):
         vec = 16 // {"float32": 4, "float16": 2, "bfloat16": 2}[plan.wdtype]
         if plan.k % vec:
             return {}
-        return {"tile": tiles, "warps": [8, 4, 16], "cols": [2, 1, 4], "unroll": [4, 2, 8]}
+        # split: blocks of a cluster over K (a projection of few columns and a long K, such as the down
+        # projection, otherwise streams each column through one warp)
+        return {"tile": tiles, "warps": [8, 4, 16], "cols": [2, 1, 4], "unroll": [4, 2, 8], "split": GEMV_SPLITS}
 
     def pick_default(self, plan: GemvPlan, axes: dict[str, list], target: str) -> dict:
         tiles = axes["tile"]
@@ -820,7 +854,7 @@ class GemvBlockTemplate(_BlockTemplate):
         # 8 warps, each a few columns of the tile per pass (the warps of a narrow tile one column each)
         slots = tile * plan.parts
         cols = 4 if slots >= 64 else 2 if slots >= 16 else 1
-        return {"tile": tile, "warps": 8, "cols": cols, "unroll": 4}
+        return {"tile": tile, "warps": 8, "cols": cols, "unroll": 4, "split": 1}
 
     def emit(self, card: Card, plan: GemvPlan, target: str, params: dict) -> str:
         if target == "cpu":
