@@ -230,6 +230,7 @@ def test_the_pack_ships_only_the_object_that_was_verified(profiled, tmp_path):
             search_tiny(fresh, SwapObject(executor, Path(impostor.binary)), budget=1)
 
 
+@pytest.mark.long  # 80 s on 2 cores: the Ray executor's search runs in the default run (the tests above)
 def test_build_two_recipes_through_ray_with_a_shared_cluster(tmp_path):
     second = tmp_path / "tiny-b.toml"
     second.write_text((recipe_mod.BUILTIN_DIR / "tiny-llama.toml").read_text().replace('name = "tiny-llama"',

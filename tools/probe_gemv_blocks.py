@@ -45,6 +45,7 @@ def main() -> int:
     p.add_argument("--rows", type=int, default=1)
     p.add_argument("--cache", type=int, default=256)
     p.add_argument("--budget-s", type=float, default=200.0, help="no new point is timed past this")
+    p.add_argument("--only", help="these blocks only, by kind (gate_up,proj_add,lm_head,qkv), in this order")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     import torch
@@ -69,6 +70,9 @@ def main() -> int:
         card = blocks.make_card(program, b)
         if template.supports(card, "cuda") is None:
             cards.append((f"{b.kind}#{len(cards)}", card))
+    if args.only:
+        order = args.only.split(",")
+        cards = sorted((c for c in cards if c[0].split("#")[0] in order), key=lambda c: order.index(c[0].split("#")[0]))
     todo = [(name, card, params) for name, card in cards for params in _sweep_points(template, card)]
     with ThreadPoolExecutor(max_workers=16) as pool:  # nvcc is single-threaded: one per core
         list(pool.map(lambda t: compile_mod.compile_kernel(template.render(t[1], "cuda", t[2]), "cuda"), todo))

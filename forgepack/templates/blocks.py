@@ -602,6 +602,8 @@ def _render_cuda(card: Card, plan: GemvPlan, params: dict) -> str:
         stage = f"""  // the prologue: each row's reduction, then the normalised row into shared memory
   for (int b = 0; b < {rows}; ++b) {{
     float acc = 0.0f;
+    // unrolled: a block's loads of the row go out together (one round trip, not one per pass)
+#pragma unroll 8
     for (int64_t k = threadIdx.x; k < {plan.k}; k += {threads}) {{
       {' '.join(red_stmts)}
       acc += {red_value};
@@ -609,6 +611,7 @@ def _render_cuda(card: Card, plan: GemvPlan, params: dict) -> str:
     acc = fp_block_sum(acc, scratch);
     const float red = fp_round_{red_dtype}(acc{_mean_scale(card, chain, plan)});
     (void)red;
+#pragma unroll 8
     for (int64_t k = threadIdx.x; k < {plan.k}; k += {threads}) {{
       {' '.join(x_stmts)}
       xs[b * {plan.k} + k] = fp_st<{wt}>({x_value});
@@ -842,7 +845,8 @@ class GemvBlockTemplate(_BlockTemplate):
             return {}
         # split: blocks of a cluster over K (a projection of few columns and a long K, such as the down
         # projection, otherwise streams each column through one warp)
-        return {"tile": tiles, "warps": [8, 4, 16], "cols": [2, 1, 4], "unroll": [4, 2, 8], "split": GEMV_SPLITS}
+        # ascending, so that a point's neighbours (`templates.neighbours`) lie on both sides of it
+        return {"tile": tiles, "warps": [4, 8, 16], "cols": [1, 2, 4], "unroll": [2, 4, 8], "split": GEMV_SPLITS}
 
     def pick_default(self, plan: GemvPlan, axes: dict[str, list], target: str) -> dict:
         tiles = axes["tile"]
@@ -1374,19 +1378,27 @@ __global__ void __cluster_dims__({splits}, 1, 1) __launch_bounds__({threads}) fp
       m[r] = top;
       sc[r] = pj;
     }}
+    // the chunk's value rows, every load issued before any is used (one round trip for the 32 slots); a slot
+    // the mask excludes, or past the live length, is not read (its weight is 0, its value 0, never NaN)
+    float vv[32][{per_lane}];
+#pragma unroll
     for (int j = 0; j < 32; ++j) {{
-      const int64_t sj = base + j;
-      if (sj >= slots) break;
-      if (__shfl_sync(0xffffffffu, add, j) == -FP_INF) continue;
-      const {kt}* vr = vb + sj * p.s{v}[2];
+      const bool live = __shfl_sync(0xffffffffu, add, j) != -FP_INF;
+      const {kt}* vr = vb + (base + j) * p.s{v}[2];
 #pragma unroll
       for (int e = 0; e < {per_lane}; ++e) {{
         const int d = lane + 32 * e;
-        const float vd = d < {plan.dim} ? fp_ld(vr[d * p.s{v}[3]]) : 0.0f;
-#pragma unroll
-        for (int r = 0; r < {nq}; ++r) o[r][e] = fmaf(__shfl_sync(0xffffffffu, sc[r], j), vd, o[r][e]);
+        vv[j][e] = live && d < {plan.dim} ? fp_ld(vr[d * p.s{v}[3]]) : 0.0f;
       }}
     }}
+#pragma unroll
+    for (int j = 0; j < 32; ++j)
+#pragma unroll
+      for (int r = 0; r < {nq}; ++r) {{
+        const float pj = __shfl_sync(0xffffffffu, sc[r], j);
+#pragma unroll
+        for (int e = 0; e < {per_lane}; ++e) o[r][e] = fmaf(pj, vv[j][e], o[r][e]);
+      }}
   }}
 #pragma unroll
   for (int r = 0; r < {nq}; ++r) {{
