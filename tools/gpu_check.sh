@@ -215,10 +215,11 @@ run_stage() {
                  fi
                done ;;
     gemv=*)    # gemv=llama+qwen2: tools/probe_gemv_blocks.py, each GEMV block of that shape's decode step over its
-               # template's axes, one at a time, then the best of each (GEMV_TIME, default 200)
+               # template's axes, one at a time, then the best of each (GEMV_TIME, default 200; GEMV_ARGS, e.g.
+               # --only gate_up,proj_add)
                local a; for a in $(echo "${1#gemv=}" | tr + ' '); do
                  stage "gemv-$a" "${GEMV_TIME:-200}" python3 tools/probe_gemv_blocks.py --arch "$a" \
-                   --budget-s "$(( ${GEMV_TIME:-200} - 50 ))" --out "$OUT/results/gemv-$a"
+                   --budget-s "$(( ${GEMV_TIME:-200} - 50 ))" --out "$OUT/results/gemv-$a" ${GEMV_ARGS:-}
                done ;;
     graphs)    stage graphs "${GRAPHS_TIME:-300}" python3 tools/bench_graphs.py ;;
     fusion)    stage fusion "${FUSION_TIME:-300}" python3 tools/bench_fusion.py --budget-s "${FUSION_BUDGET_S:-230}" ;;
