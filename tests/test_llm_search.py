@@ -115,7 +115,9 @@ def llm(api: str, url: str, monkeypatch) -> object:
 
 
 class Measured:
-    """`inner`'s verdicts, each distinct (card, source) evaluated for real once, then given again."""
+    """`inner`'s verdicts, each distinct (card, source) evaluated for real once, then given again. A kernel
+    the evaluator verified is timed as 1.5x [1.4, 1.6] (`steady`): which card the allocator refines then
+    depends on the replies alone, not on how loaded the machine was when the kernel was timed."""
 
     def __init__(self, inner, verdicts: dict):
         self.inner, self.verdicts = inner, verdicts
@@ -135,7 +137,7 @@ class Measured:
             if future.exception() is not None:
                 out.set_exception(future.exception())
             else:
-                self.verdicts[key] = future.result()
+                self.verdicts[key] = steady(future.result())
                 out.set_result(self.verdicts[key])
 
         self.inner.submit(card, source, samples_path).add_done_callback(keep)
@@ -146,6 +148,14 @@ class Measured:
 
     def close(self) -> None:
         pass
+
+
+def steady(verdict):
+    """A verified kernel's verdict with a fixed timing (accepted at 1.5x); any other verdict as it is."""
+    if verdict.category not in (None, "slower") or not verdict.eager_us:
+        return verdict
+    return dataclasses.replace(verdict, accepted=True, category=None, reason="verified; 1.500x (timing fixed)",
+                               kernel_us=verdict.eager_us / 1.5, speedup=1.5, ci_low=1.4, ci_high=1.6)
 
 
 @pytest.fixture(scope="module")
