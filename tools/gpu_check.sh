@@ -9,11 +9,14 @@
 #   bash tools/gpu_check.sh 0:search=llama-1b-prefill,packs=gpt2 1:search=resnet-50   # per-lane recipes
 #   PACK_BUDGET=48 PACK_TIME=280 bash tools/gpu_check.sh 0:packs=llama-1b-prefill+gpt2         # first call
 #   PACK_BUDGET=48 PACK_TIME=280 bash tools/gpu_check.sh 0:packs=resnet-50+qwen2-0.5b-prefill  # and call 2
-#   # still to measure (issue 39), first: the decode blocks placed in the served step on a GPU (blocks placed at
-#   # 4997d3d on the CPU only), pack+graphs beside graphs and compiled-loop at b1 and b8, the eager-attention
-#   # render's and the norm-free SDPA render's CUDA paths (compiled in CI, never run), the GPU tests:
-#   FORGEPACK_COMMIT=<sha> DEADLINE=570 DECODE_BUDGET=16 DECODE_LIMIT=150 DECODE_BATCHES=1,8 DECODE_PROMPTS=128,1024 \
-#     DECODE_ROUNDS=5 bash tools/gpu_check.sh tests=blocks+pack_gpu+decodeloop decode=llama-1b-decode
+#   # still to measure (issue 39), first: the gated pack with the attention block (placed at 828741d without the
+#   # gate), pack+graphs beside graphs and compiled-loop at b1 and b8 in one call, Qwen2-0.5B's decode, the GEMV
+#   # probe of gate_up, the projections and the LM head. A gated decode build needs about 100 s past
+#   # DECODE_LIMIT (packing, the gate, its second check); the compiled-loop column about 90 s per column process:
+#   FORGEPACK_COMMIT=<sha> DEADLINE=580 DECODE_BUDGET=24 DECODE_LIMIT=100 DECODE_BUILD_TIME=230 DECODE_BATCHES=1,8 \
+#     DECODE_PROMPTS=128,1024 DECODE_ROUNDS=5 DECODE_COLUMN_LIMIT=120 DECODE_BENCH_TIME=300 DECODE_COLUMNS=graphs,compiled-loop \
+#     bash tools/gpu_check.sh decode=llama-1b-decode
+#   GEMV_ARGS="--only gate_up,proj_add,lm_head" bash tools/gpu_check.sh gemv=llama decode=qwen2-0.5b-decode tests=blocks
 #   # then the Qwen2 envelope pack within 3% of the
 #   # exact pack at its prefill shape, now that the rotary folds over batch and tokens (on the CPU it fuses what the
 #   # exact pack fuses: benchmarks/2026-12-05-cpu-parity); one call (about 560 s), then the Llama twin, then
