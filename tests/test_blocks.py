@@ -303,6 +303,21 @@ def test_eager_attention_kernels_that_drop_the_cap_or_the_tail_are_rejected():
         assert verdict.category == "mismatch", verdict.reason
 
 
+def test_a_gemv_point_from_before_the_split_axis_renders_as_its_split_1_point():
+    """A workspace built before the split over K was an axis holds points without it: they still render,
+    as the kernel they named then, and a split point renders a cluster over K."""
+    from forgepack.templates.common import on_device
+
+    cards = [on_device(c, "cuda") for c in cards_of(program_of(tiny("llama", torch.bfloat16)))]
+    gemv = block_templates.GemvBlockTemplate("blocks.gemv", "blocks", ("cuda", "cpu"), blocks.BLOCK_OPS)
+    card = next(c for c in cards if c.fusion.pattern == "proj_add")
+    default = gemv.default(card, "cuda")
+    old = {k: v for k, v in default.items() if k != "split"}
+    assert gemv.render(card, "cuda", old) == gemv.render(card, "cuda", {**old, "split": 1})
+    assert "__cluster_dims__" not in gemv.render(card, "cuda", old)
+    assert "__cluster_dims__(4, 1, 1)" in gemv.render(card, "cuda", {**old, "split": 4})
+
+
 def test_block_cuda_renders_compile_for_sm90():
     from forgepack import compile as compile_mod
     from forgepack.templates.common import on_device

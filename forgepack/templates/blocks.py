@@ -860,6 +860,13 @@ class GemvBlockTemplate(_BlockTemplate):
         cols = 4 if slots >= 64 else 2 if slots >= 16 else 1
         return {"tile": tile, "warps": 8, "cols": cols, "unroll": 4, "split": 1}
 
+    def render(self, card: Card, target: str, params: dict) -> str:
+        # a point recorded before the split over K was an axis (a resumed workspace's parent) is its
+        # split-1 point, the kernel it named then
+        if target == "cuda" and params and "split" not in params:
+            params = {**params, "split": 1}
+        return super().render(card, target, params)
+
     def emit(self, card: Card, plan: GemvPlan, target: str, params: dict) -> str:
         if target == "cpu":
             return _render_cpu(card, plan, params["tile"])
