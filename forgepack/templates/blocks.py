@@ -642,8 +642,7 @@ def _render_cuda(card: Card, plan: GemvPlan, params: dict) -> str:
       float total = 0.0f;
 #pragma unroll
       for (int q = 0; q < {split}; ++q) total += *cluster.map_shared_rank(&ys[e], q);
-      const int lc = e % {tile_cols};
-      const int64_t col = (int64_t)(lc / {tc}) * {plan.width} + lo + lc % {tc};
+      const int64_t col = fp_col(e % {tile_cols}, lo);
       float bias;
       (void)fp_weight(p, col, &bias);
       ys[e] = fp_round_mm(total + bias, col);
@@ -658,6 +657,9 @@ def _render_cuda(card: Card, plan: GemvPlan, params: dict) -> str:
     kernel = f"""
 {"#include <cooperative_groups.h>" if split > 1 else ""}
 {unpack}
+
+// the concatenated weight column of the tile's column lc (tile columns run part by part)
+FP_FN int64_t fp_col(int lc, int64_t lo) {{ return (int64_t)(lc / {tc}) * {plan.width} + lo + lc % {tc}; }}
 
 FP_FN float fp_block_sum(float v, float* scratch) {{
   v = fp_warp_sum<32>(v);
@@ -689,7 +691,7 @@ __global__ void {cluster_head}__launch_bounds__({threads}) fp_block(const fp_arg
 #pragma unroll
     for (int j = 0; j < {cols}; ++j) {{
       const int lc = min(c0 + j, {tile_cols - 1});  // a column past the tile reads a real row, never stored
-      wcol[j] = (int64_t)(lc / {tc}) * {plan.width} + lo + lc % {tc};
+      wcol[j] = fp_col(lc, lo);
       wrow[j] = fp_weight(p, wcol[j], &bias[j]);
     }}
     float acc[{cols}][{rows}];
