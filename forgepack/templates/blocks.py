@@ -417,7 +417,7 @@ def _sink_body(card: Card, chain: list[Entry], target: str, plan: GemvPlan, s: S
     rest = "f"
     names = ["b"] + [f"c{d}_" for d in range(1, len(shape))]
     for d in range(len(shape) - 1, 0, -1):
-        lines.append(f"const int64_t c{d}_ = {rest} % {shape[d]};")
+        lines.append(f"[[maybe_unused]] const int64_t c{d}_ = {rest} % {shape[d]};")
         rest = f"({rest} / {shape[d]})"
     value, _ = _BlockEmitter(card, chain, target, plan).value(s.ref, names, lines, {})
     t = ctype(s.meta.dtype, target)
@@ -676,8 +676,7 @@ __global__ void {cluster_head}__launch_bounds__({threads}) fp_block(const fp_arg
   extern __shared__ __align__(16) unsigned char smem_[];
   float* ys = reinterpret_cast<float*>(smem_);
   float* scratch = ys + {rows * tile_cols};
-  {wt}* xs = reinterpret_cast<{wt}*>(scratch + 32);
-  (void)xs;
+  [[maybe_unused]] {wt}* xs = reinterpret_cast<{wt}*>(scratch + 32);
   const int64_t lo = (int64_t)(blockIdx.x / {split}) * {tc};
 {rank_stmt}
   const int64_t k_lo = {k_lo}, k_hi = {k_hi};
