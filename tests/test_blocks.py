@@ -305,8 +305,8 @@ def test_eager_attention_kernels_that_drop_the_cap_or_the_tail_are_rejected():
 
 
 def test_a_gemv_point_from_before_the_split_axis_renders_as_its_split_1_point():
-    """A workspace built before the split over K was an axis holds points without it: they still render,
-    as the kernel they named then, and a split point renders a cluster over K."""
+    """A workspace built before the split over K (or the prefetch) was an axis holds points without it: they
+    still render, as the kernel they named then, and a split point renders a cluster over K."""
     from forgepack.templates.common import on_device
 
     cards = [on_device(c, "cuda") for c in cards_of(program_of(tiny("llama", torch.bfloat16)))]
@@ -317,6 +317,14 @@ def test_a_gemv_point_from_before_the_split_axis_renders_as_its_split_1_point():
     assert gemv.render(card, "cuda", old) == gemv.render(card, "cuda", {**old, "split": 1})
     assert "__cluster_dims__" not in gemv.render(card, "cuda", old)
     assert "__cluster_dims__(4, 1, 1)" in gemv.render(card, "cuda", {**old, "split": 4})
+    # a block with a prologue: a point from before the prefetch axis renders without the prefetch
+    qkv = next(c for c in cards if c.fusion.pattern == "qkv")
+    default = gemv.default(qkv, "cuda")
+    assert default["prefetch"] == 1 and "prefetch.global.L2" in gemv.render(qkv, "cuda", default)
+    old = {k: v for k, v in default.items() if k not in ("split", "prefetch")}
+    assert gemv.render(qkv, "cuda", old) == gemv.render(qkv, "cuda", {**old, "split": 1, "prefetch": 0})
+    assert "prefetch.global.L2" not in gemv.render(qkv, "cuda", old)
+    assert "prefetch" not in gemv.space(card, "cuda")  # no prologue to hide: no axis
 
 
 def test_block_cuda_renders_compile_for_sm90():

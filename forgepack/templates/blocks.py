@@ -585,7 +585,8 @@ def _y_reader_cpu(plan: GemvPlan, tc: int) -> str:
 def _render_cuda(card: Card, plan: GemvPlan, params: dict) -> str:
     chain = entries(card)
     tc, warps, cols, unroll = params["tile"], params["warps"], params["cols"], params["unroll"]
-    split = params.get("split", 1)
+    split, ahead = params.get("split", 1), params.get("prefetch", 0)
+    name = f"fp_{card.op.split('.')[1]}"  # fp_qkv, fp_gate_up, ...: a profile of the step tells the blocks apart
     struct, inits = _fields(card, "cuda")
     sinks = "".join(_sink_body(card, chain, "cuda", plan, s, j) for j, s in enumerate(plan.sinks))
     ins = card.tensor_inputs()
@@ -672,7 +673,7 @@ FP_FN float fp_block_sum(float v, float* scratch) {{
   return total;
 }}
 
-__global__ void {cluster_head}__launch_bounds__({threads}) fp_block(const fp_args p) {{
+__global__ void {cluster_head}__launch_bounds__({threads}) {name}(const fp_args p) {{
   extern __shared__ __align__(16) unsigned char smem_[];
   float* ys = reinterpret_cast<float*>(smem_);
   float* scratch = ys + {rows * tile_cols};
@@ -680,8 +681,8 @@ __global__ void {cluster_head}__launch_bounds__({threads}) fp_block(const fp_arg
   const int64_t lo = (int64_t)(blockIdx.x / {split}) * {tc};
 {rank_stmt}
   const int64_t k_lo = {k_lo}, k_hi = {k_hi};
-{stage}
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+{_prefetch(plan, tile_cols, cols, vec, unroll, ahead)}{stage}
   // the products: warp `warp` takes columns warp*{cols} + i*{warps * cols} of the tile
   for (int c0 = warp * {cols}; c0 < {tile_cols}; c0 += {warps * cols}) {{
     const {wt}* wrow[{cols}];
@@ -753,13 +754,35 @@ __global__ void {cluster_head}__launch_bounds__({threads}) fp_block(const fp_arg
         "fp_args p;", *inits,
         f"if (((uintptr_t)p.in{plan.lins[0].w}) % 16u != 0) return FP_ERR_UNSUPPORTED;",
         *([] if plan.prologue else [f"if (((uintptr_t)p.in{plan.x_ref[1]}) % 16u != 0) return FP_ERR_UNSUPPORTED;"]),
-        f"if ({smem} > 48 * 1024 && cudaFuncSetAttribute(fp_block, cudaFuncAttributeMaxDynamicSharedMemorySize, "
+        f"if ({smem} > 48 * 1024 && cudaFuncSetAttribute({name}, cudaFuncAttributeMaxDynamicSharedMemorySize, "
         f"{smem}) != cudaSuccess) return FP_ERR_UNSUPPORTED;",
-        f"fp_block<<<{tiles * split}u, {threads}, {smem}, stream>>>(p);",
+        f"{name}<<<{tiles * split}u, {threads}, {smem}, stream>>>(p);",
         launch_status("cuda"),
     ])
     code = prelude("cuda") + struct + _weight_fn(card, plan, "cuda") + _y_reader(plan, tc) + sinks + kernel
     return code + _entry(card, "cuda", launch)
+
+
+def _prefetch(plan: GemvPlan, tile_cols: int, cols: int, vec: int, unroll: int, ahead: int) -> str:
+    """The weight chunks of a warp's first `ahead` passes of its first columns, asked of L2 before the
+    prologue: they need no x, so DRAM streams them while the prologue reduces the row (a block otherwise
+    waits a prologue's round trips before its first weight load goes out)."""
+    if not (ahead and plan.prologue):
+        return ""
+    return f"""  // the weights of this warp's first {ahead} pass(es), fetched into L2 while the prologue runs
+  if (warp * {cols} < {tile_cols}) {{
+#pragma unroll
+    for (int j = 0; j < {cols}; ++j) {{
+      float bias_;
+      const auto* w = fp_weight(p, fp_col(min(warp * {cols} + j, {tile_cols - 1}), lo), &bias_);
+#pragma unroll
+      for (int u = 0; u < {ahead * unroll}; ++u) {{
+        const int64_t kk = k_lo + lane * {vec} + u * {32 * vec};
+        if (kk < k_hi) asm volatile("prefetch.global.L2 [%0];" :: "l"(w + kk));
+      }}
+    }}
+  }}
+"""
 
 
 def _entry(card: Card, target: str, body: str) -> str:
@@ -847,7 +870,9 @@ class GemvBlockTemplate(_BlockTemplate):
         # split: blocks of a cluster over K (a projection of few columns and a long K, such as the down
         # projection, otherwise streams each column through one warp)
         # ascending, so that a point's neighbours (`templates.neighbours`) lie on both sides of it
-        return {"tile": tiles, "warps": [4, 8, 16], "cols": [1, 2, 4], "unroll": [2, 4, 8], "split": GEMV_SPLITS}
+        axes = {"tile": tiles, "warps": [4, 8, 16], "cols": [1, 2, 4], "unroll": [2, 4, 8], "split": GEMV_SPLITS}
+        # prefetch: passes of weights asked of L2 before the prologue (a block with one; `_prefetch`)
+        return {**axes, "prefetch": [0, 1, 2]} if plan.prologue else axes
 
     def pick_default(self, plan: GemvPlan, axes: dict[str, list], target: str) -> dict:
         tiles = axes["tile"]
@@ -859,13 +884,16 @@ class GemvBlockTemplate(_BlockTemplate):
         # 8 warps, each a few columns of the tile per pass (the warps of a narrow tile one column each)
         slots = tile * plan.parts
         cols = 4 if slots >= 64 else 2 if slots >= 16 else 1
-        return {"tile": tile, "warps": 8, "cols": cols, "unroll": 4, "split": 1}
+        point = {"tile": tile, "warps": 8, "cols": cols, "unroll": 4, "split": 1}
+        return {**point, "prefetch": 1} if "prefetch" in axes else point
 
     def render(self, card: Card, target: str, params: dict) -> str:
         # a point recorded before the split over K was an axis (a resumed workspace's parent) is its
         # split-1 point, the kernel it named then
         if target == "cuda" and params and "split" not in params:
             params = {**params, "split": 1}
+        if target == "cuda" and params and "prefetch" not in params and "prefetch" in self.space(card, target):
+            params = {**params, "prefetch": 0}  # likewise a point from before the prefetch axis
         return super().render(card, target, params)
 
     def emit(self, card: Card, plan: GemvPlan, target: str, params: dict) -> str:
@@ -1310,7 +1338,13 @@ def _attention_cuda(card: Card, plan: AttentionPlan, params: dict) -> str:
     out = card.outputs[0]
     size = ins[k].itemsize
     vec = 16 // size if plan.dim * size % 16 == 0 else 0
+    kchunks = plan.dim // vec if vec else 1
     kernel = "#include <cooperative_groups.h>\n" + _unpack(ins[k].dtype) + f"""
+// 0 where slot s (of `slots`) is read for key/value head kh; -inf where the mask excludes it or it lies past
+FP_FN float fp_open(const fp_args& p, int64_t b, int64_t kh, int64_t s, int64_t slots) {{
+  return s < slots && !fp_dead(p, b, kh * {group}, 0, s) ? 0.0f : -FP_INF;
+}}
+
 // One cluster of {splits} blocks per (row, key/value head), each block a {splits}th of the cache's slots (the
 // split of flash-decoding: at batch 1 a model's few key/value heads alone would leave most SMs idle);
 // warp w of a block takes its slots w*32.., stepping by {threads}. Lane j of a warp scores slot base+j
@@ -1329,6 +1363,10 @@ __global__ void __cluster_dims__({splits}, 1, 1) __launch_bounds__({threads}) fp
   const int64_t per = ((p.n{k}[2] + {splits - 1}) / {splits} + 31) / 32 * 32;
   const int64_t first = split * per, slots = p.n{k}[2] < first + per ? p.n{k}[2] : first + per;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  int64_t base = first + warp * 32;
+  // the mask of a warp's next chunk is read a chunk ahead: the first one's read goes out before the queries
+  // are staged, so neither waits for the other
+  float next = fp_open(p, b, kh, base + lane, slots);
   for (int i = threadIdx.x; i < {nq * plan.dim}; i += {threads}) {{
     const int r = i / {plan.dim}, d = i % {plan.dim};
     qs[r][d] = fp_q(p, b, {head[0]}, {head[1]}, d);
@@ -1345,22 +1383,39 @@ __global__ void __cluster_dims__({splits}, 1, 1) __launch_bounds__({threads}) fp
   const {kt}* vb = p.in{v} + b * p.s{v}[0] + kh * p.s{v}[1];
   const bool kvec = {"true" if vec else "false"} && p.s{k}[3] == 1 && (p.s{k}[2] * (int64_t)sizeof({kt})) % 16 == 0
                     && reinterpret_cast<uintptr_t>(kb) % 16 == 0;
-  for (int64_t base = first + warp * 32; base < slots; base += {threads}) {{
+  for (; base < slots; base += {threads}) {{
     const int64_t s = base + lane;
-    float add = -FP_INF;  // 0: the slot is read; -inf: the mask excludes it (the same for every head and query)
-    if (s < slots && !fp_dead(p, b, kh * {group}, 0, s)) add = 0.0f;
+    const float add = next;  // 0: the slot is read; -inf: the mask excludes it (the same for every head and query)
+    next = fp_open(p, b, kh, base + {threads} + lane, slots);
     if (__all_sync(0xffffffffu, add == -FP_INF)) continue;
+    const {kt}* kr = kb + s * p.s{k}[2];
+    // the slot's key row (16-byte chunks) and the chunk's value rows are loaded before any is used: one round
+    // trip for the chunk; a slot the mask excludes, or past the live length, is not read (its weight is 0,
+    // its value 0, never NaN)
+    uint4 kc[{kchunks}];
+#pragma unroll
+    for (int c = 0; c < {kchunks}; ++c)
+      kc[c] = kvec && add != -FP_INF ? reinterpret_cast<const uint4*>(kr)[c] : make_uint4(0u, 0u, 0u, 0u);
+    float vv[32][{per_lane}];
+#pragma unroll
+    for (int j = 0; j < 32; ++j) {{
+      const bool live = __shfl_sync(0xffffffffu, add, j) != -FP_INF;
+      const {kt}* vr = vb + (base + j) * p.s{v}[2];
+#pragma unroll
+      for (int e = 0; e < {per_lane}; ++e) {{
+        const int d = lane + 32 * e;
+        vv[j][e] = live && d < {plan.dim} ? fp_ld(vr[d * p.s{v}[3]]) : 0.0f;
+      }}
+    }}
     float sc[{nq}];
 #pragma unroll
     for (int r = 0; r < {nq}; ++r) sc[r] = 0.0f;
     if (add != -FP_INF) {{
-      const {kt}* kr = kb + s * p.s{k}[2];
-      if (kvec) {{  // the slot's key row in 16-byte chunks
-        const uint4* k4 = reinterpret_cast<const uint4*>(kr);
+      if (kvec) {{
 #pragma unroll
-        for (int c = 0; c < {plan.dim // vec if vec else 0}; ++c) {{
+        for (int c = 0; c < {kchunks}; ++c) {{
           float kf[{vec or 1}];
-          fp_unpack(k4[c], kf);
+          fp_unpack(kc[c], kf);
 #pragma unroll
           for (int e = 0; e < {vec or 1}; ++e)
 #pragma unroll
@@ -1385,19 +1440,6 @@ __global__ void __cluster_dims__({splits}, 1, 1) __launch_bounds__({threads}) fp
       for (int e = 0; e < {per_lane}; ++e) o[r][e] *= keep;
       m[r] = top;
       sc[r] = pj;
-    }}
-    // the chunk's value rows, every load issued before any is used (one round trip for the 32 slots); a slot
-    // the mask excludes, or past the live length, is not read (its weight is 0, its value 0, never NaN)
-    float vv[32][{per_lane}];
-#pragma unroll
-    for (int j = 0; j < 32; ++j) {{
-      const bool live = __shfl_sync(0xffffffffu, add, j) != -FP_INF;
-      const {kt}* vr = vb + (base + j) * p.s{v}[2];
-#pragma unroll
-      for (int e = 0; e < {per_lane}; ++e) {{
-        const int d = lane + 32 * e;
-        vv[j][e] = live && d < {plan.dim} ? fp_ld(vr[d * p.s{v}[3]]) : 0.0f;
-      }}
     }}
 #pragma unroll
     for (int j = 0; j < 32; ++j)
