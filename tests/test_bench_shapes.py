@@ -73,7 +73,7 @@ def wheels(tmp_path_factory):
     return root, env, envelope, Path(exact["wheel"])
 
 
-@pytest.mark.slow
+@pytest.mark.long  # two real builds first (an envelope pack and an exact one): 125 s of CI's 30 minutes
 def test_cpu_run_times_stock_and_both_packs_at_every_shape(wheels):
     root, env, envelope, exact = wheels
     _run([sys.executable, str(TOOLS / "bench_shapes.py"), "--base", "tiny-llama", "--target", "cpu", "--pack",

@@ -140,7 +140,7 @@ def test_every_point_verifies(case, evaluator):
     assert _verify(evaluator, t, card, points(t, card, "cpu")) == len(points(t, card, "cpu"))
 
 
-@pytest.mark.slow
+@pytest.mark.long  # 60 s of CI: the default points are verified by test_templates, every axis value below
 def test_every_point_of_the_llama_fusions_verifies(llama, evaluator, tmp_path):
     """RMSNorm (rows), rotary and the cos/sin tables (index math), act(gate) * up (pointwise and index
     math) of the bf16 tiny Llama: every point, on the captured samples."""
