@@ -17,6 +17,8 @@
 #     DECODE_PROMPTS=128,1024 DECODE_ROUNDS=5 DECODE_COLUMN_LIMIT=120 DECODE_BENCH_TIME=300 DECODE_COLUMNS=graphs,compiled-loop \
 #     bash tools/gpu_check.sh decode=llama-1b-decode
 #   GEMV_ARGS="--only gate_up,proj_add,lm_head" bash tools/gpu_check.sh gemv=llama decode=qwen2-0.5b-decode tests=blocks
+#   # tests=blocks needs TESTS_TIME >= 130: its test that verifies every block render on the GPU takes 91 s on an
+#   # H100 (the per-test limit is TESTS_TIME - 20; at 100 it cut that test: 2026-12-07-h100-decode-kernels-named)
 #   # then the Qwen2 envelope pack within 3% of the
 #   # exact pack at its prefill shape, now that the rotary folds over batch and tokens (on the CPU it fuses what the
 #   # exact pack fuses: benchmarks/2026-12-05-cpu-parity); one call (about 560 s), then the Llama twin, then
