@@ -188,8 +188,10 @@ class State:
         self.counters = zeros(rows + 2)
         self.position, self.where = self.counters[:rows].view(rows, 1), self.counters[rows:rows + 1]
         self.count = self.counters[rows + 1]
-        self.token, self.min_new, self.pad = zeros(rows, 1), zeros(), zeros()  # min_new: eos blocked until then
-        self.eos, self.not_eos = zeros(vocab, dtype=torch.bool), zeros(vocab, dtype=torch.bool)
+        self.token, self.pad = zeros(rows, 1), zeros()
+        # per token id, the step count eos stays blocked below (MinNewTokens: min_new at each eos id, -1
+        # elsewhere): blocked = eos_until > count, one compare a step
+        self.eos_until, self.not_eos = zeros(vocab, dtype=torch.int32), zeros(vocab, dtype=torch.bool)
         self.unfinished, self.alive = zeros(rows, dtype=torch.bool), zeros(width, dtype=torch.bool)
         self.tokens = zeros(rows, width)
         self.logits, self.scores = zeros(rows, vocab, dtype=torch.float32), zeros(rows, vocab, dtype=torch.float32)
@@ -211,30 +213,29 @@ class State:
         self.position.fill_(prompt - 1)
         self.where.fill_(prompt - 1)
         self.count.fill_(-1)
-        self.min_new.fill_(greedy.min_new)
         self.pad.fill_(greedy.pad)
-        self.eos.zero_()
+        self.eos_until.fill_(-1)
         ids = [e for e in greedy.eos if 0 <= e < self.vocab]  # an id past the vocabulary is never picked
         if ids:
-            self.eos[torch.tensor(ids, device=self.eos.device)] = True
-        torch.logical_not(self.eos, out=self.not_eos)
+            self.eos_until[torch.tensor(ids, device=self.eos_until.device)] = greedy.min_new
+        torch.lt(self.eos_until, 0, out=self.not_eos)
         self.unfinished.fill_(True)
         self.unfinished[batch:] = False
 
     @torch.no_grad()  # (out= variants refuse inputs that require grad; a pick is never differentiated)
     def pick(self, logits: torch.Tensor) -> None:
         """transformers' greedy step on the device, from the logits of the last position [rows, vocab],
-        in few launches (each is a node of the decode graph): 13."""
+        in few launches (each is a node of the decode graph): 11."""
         self.counters.add_(1)
         self.logits.copy_(logits)  # generate's own fp32 copy
-        blocked = self.eos & (self.count < self.min_new)  # MinNewTokens/MinLength: eos scores to -inf
+        blocked = self.eos_until > self.count  # MinNewTokens/MinLength: eos scores to -inf
         torch.where(blocked, self.lowest, self.logits, out=self.scores)
-        token = torch.where(self.unfinished, self.scores.argmax(-1), self.pad)
+        # the next step's input, written in place (the decode graph reads it there)
+        torch.where(self.unfinished.view(-1, 1), self.scores.argmax(-1, keepdim=True), self.pad, out=self.token)
         where = self.count.view(1)
-        self.tokens.index_copy_(1, where, token.view(-1, 1))
-        self.unfinished.logical_and_(self.not_eos.index_select(0, token))
+        self.tokens.index_copy_(1, where, self.token)
+        self.unfinished.logical_and_(self.not_eos.index_select(0, self.token.view(-1)))
         self.alive.index_copy_(0, where, self.unfinished.any().view(1))
-        self.token.copy_(token.view(-1, 1))
 
     def generated(self, steps: int) -> int:
         """How many tokens transformers' loop would have produced, of the `steps` run (one host sync)."""
