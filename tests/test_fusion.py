@@ -667,7 +667,7 @@ def test_a_recorded_decode_step_can_see_the_stock_code_under_the_patches(llama):
     module = llama.lm.model.model.norm
     x = torch.randn(1, 32, module.weight.shape[0]).to(torch.bfloat16)
     assert patches.install() == {}
-    stepprogram.provide(source, patches.suspended)
+    stepprogram.provide(source, patches.suspended, lambda: patches.targets)
     try:
         with torch.no_grad():
             module(x)
@@ -677,6 +677,17 @@ def test_a_recorded_decode_step_can_see_the_stock_code_under_the_patches(llama):
             assert len(calls) == 1  # the call inside did not reach the kernel
             module(x)
             assert len(calls) == 2
+            # a target kept on (a site outside every block) still serves while the others are off
+            (target,) = stepprogram.site_targets()
+            assert target.endswith(":LlamaRMSNorm")
+            with stepprogram.stock_sites(frozenset({target})) as switched:
+                assert not switched
+                module(x)
+            assert len(calls) == 3
+            with stepprogram.stock_sites(frozenset({"elsewhere:Other"})) as switched:
+                assert switched
+                module(x)
+            assert len(calls) == 3
     finally:
         stepprogram.withdraw(source)
         patches.remove()

@@ -489,10 +489,12 @@ class DecodeLoop:
 
     def _blocks_in_place(self, loop: _Loop, offered: list) -> tuple[stepprogram.Program, stepprogram.Program,
                                                                       list, str]:
-        """The step recorded and rewritten with the blocks (`_capture`), twice: with the pack's fused module
-        sites (a site inside a block, such as a fused norm or activation, replaces calls of the block's
-        chain, which then no longer matches) and, where a site was installed, with those sites off. The one
-        placing more blocks wins; a tie keeps the sites (they also serve chains outside the blocks)."""
+        """The step recorded and rewritten with the blocks (`_capture`): with the pack's fused module sites
+        on, and, where a site was installed, with them off (a site inside a block, such as a fused norm or
+        activation, replaces calls of the block's chain, which then no longer matches). When the sites cut
+        blocks, each site's target is then switched back on alone and kept on where every block still
+        places (a site outside the blocks, such as the rotary tables, still saves its launches). Most blocks
+        win; a tie keeps more sites on."""
         def recorded(sites: str) -> tuple:
             program = stepprogram.record(run_step, self.server.eager, loop.state, loop.kwargs)
             return (program, *stepprogram.rewrite(program, offered), sites)
@@ -501,8 +503,16 @@ class DecodeLoop:
         with stepprogram.stock_sites() as switched:
             if not switched:  # no site to switch off: the same recording again
                 return on
-            off = recorded("off")
-        return max((on, off), key=lambda t: (len(t[2]), t[3] == "on"))
+            best = recorded("off")
+        if len(on[2]) >= len(best[2]):
+            return on
+        kept: frozenset[str] = frozenset()
+        for target in stepprogram.site_targets():
+            with stepprogram.stock_sites(kept | {target}):
+                trial = recorded("on: " + ", ".join(sorted(kept | {target})))
+            if len(trial[2]) >= len(best[2]):
+                kept, best = kept | {target}, trial
+        return best
 
     @contextlib.contextmanager
     def _pool(self, device: torch.device):

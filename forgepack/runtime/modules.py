@@ -309,6 +309,7 @@ class ModulePatches:
         self.shapes = shapes or {}
         self.counters = _Counters(1 + max((s.index for s in self.sites), default=-1))
         self._restore: list[tuple[Any, str, Any, Any]] = []  # (owner, attribute, original or _MISSING, patch)
+        self._patched: dict[str, Any] = {}  # target -> its installed patch
         self._lock = threading.Lock()
         self.skipped: dict[str, str] = {}
 
@@ -358,6 +359,7 @@ class ModulePatches:
             patched = self._forward(obj, current, sites)
             self._restore.append((obj, "forward", obj.__dict__.get("forward", _MISSING), patched))
             obj.forward = patched
+        self._patched[target] = patched
         return None
 
     def remove(self) -> None:
@@ -372,18 +374,25 @@ class ModulePatches:
                 else:
                     setattr(owner, attr, original)
             self._restore = []
+            self._patched = {}
 
     @property
     def installed(self) -> bool:
         return bool(self._restore)
 
-    @contextlib.contextmanager
-    def suspended(self):
-        """Every installed patch calls its original meanwhile (yields whether any was switched): the decode
-        loop records a step as stock runs it, so that a decode block's chain is not cut by a fused call of
-        a site inside it."""
+    @property
+    def targets(self) -> list[str]:
+        """The targets patched now."""
         with self._lock:
-            switched = [p for *_, p in self._restore if _OFF not in p.__dict__]
+            return list(self._patched)
+
+    @contextlib.contextmanager
+    def suspended(self, keep: frozenset[str] = frozenset()):
+        """Every installed patch but those of the targets in `keep` calls its original meanwhile (yields
+        whether any was switched): the decode loop records a step as stock runs it, so that a decode
+        block's chain is not cut by a fused call of a site inside it."""
+        with self._lock:
+            switched = [p for t, p in self._patched.items() if t not in keep and _OFF not in p.__dict__]
         for patched in switched:
             setattr(patched, _OFF, True)
         try:
@@ -688,12 +697,17 @@ class PackModules:
         skipped = self.patches.install()
         self.active = True
         if self.steps:
-            stepprogram.provide(self.step_kernels, self.stock_sites)
+            stepprogram.provide(self.step_kernels, self.stock_sites, self.site_targets)
         return skipped
 
-    def stock_sites(self) -> contextlib.AbstractContextManager:
-        """The pack's module sites off (stock code) meanwhile (`ModulePatches.suspended`)."""
-        return self.patches.suspended() if self.patches is not None else contextlib.nullcontext(False)
+    def stock_sites(self, keep: frozenset[str] = frozenset()) -> contextlib.AbstractContextManager:
+        """The pack's module sites off (stock code) meanwhile, but those of the targets in `keep`
+        (`ModulePatches.suspended`)."""
+        return self.patches.suspended(keep) if self.patches is not None else contextlib.nullcontext(False)
+
+    def site_targets(self) -> list[str]:
+        """The targets whose module sites are installed (what `stock_sites` can leave on)."""
+        return self.patches.targets if self.patches is not None else []
 
     def step_kernels(self) -> list[tuple[stepprogram.Chain, Callable]]:
         """The decode blocks' chains and their kernels, for the decode loop's recorded step (empty while

@@ -556,15 +556,18 @@ def _assemble(program: Program, placed: dict[int, tuple[Match, Callable]]) -> tu
 # ----------------------------------------------------------------------------------------------------
 # Who offers kernels: an active pack's decode blocks (`modules.PackModules.step_kernels`)
 
-# source -> what switches its other patches off (its pack's fused module sites), or None
-_SOURCES: dict[Callable[[], list[tuple[Chain, Callable]]], Callable[[], contextlib.AbstractContextManager] | None] = {}
+# source -> what switches its other patches off (its pack's fused module sites, but the targets it is told to
+# keep), or None, and what names those targets
+Stock = Callable[[frozenset], contextlib.AbstractContextManager]
+_SOURCES: dict[Callable[[], list[tuple[Chain, Callable]]], tuple[Stock | None, Callable[[], list[str]]]] = {}
 
 
-def provide(source: Callable[[], list[tuple[Chain, Callable]]],
-            stock: Callable[[], contextlib.AbstractContextManager] | None = None) -> None:
+def provide(source: Callable[[], list[tuple[Chain, Callable]]], stock: Stock | None = None,
+            targets: Callable[[], list[str]] = list) -> None:
     """`source` offers its chains and kernels; `stock`, if given, switches off its pack's module sites
-    while a step is recorded for the chains (`stock_sites`)."""
-    _SOURCES.setdefault(source, stock)
+    (but those of the targets it is given) while a step is recorded for the chains (`stock_sites`);
+    `targets` names the sites' targets."""
+    _SOURCES.setdefault(source, (stock, targets))
 
 
 def withdraw(source: Callable[[], list[tuple[Chain, Callable]]]) -> None:
@@ -576,9 +579,15 @@ def kernels() -> list[tuple[Chain, Callable]]:
     return [k for source in list(_SOURCES) for k in source()]
 
 
+def site_targets() -> list[str]:
+    """The targets of every providing pack's module sites (in the order they were offered)."""
+    return [t for stock, targets in list(_SOURCES.values()) if stock is not None for t in targets()]
+
+
 @contextlib.contextmanager
-def stock_sites():
-    """Every providing pack's module sites switched off meanwhile; yields whether any was."""
+def stock_sites(keep: frozenset[str] = frozenset()):
+    """Every providing pack's module sites switched off meanwhile, but those of the targets in `keep`;
+    yields whether any was."""
     with contextlib.ExitStack() as stack:
-        switched = [stack.enter_context(stock()) for stock in list(_SOURCES.values()) if stock is not None]
+        switched = [stack.enter_context(stock(keep)) for stock, _ in list(_SOURCES.values()) if stock is not None]
         yield any(switched)
