@@ -20,7 +20,6 @@ import math
 import re
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -331,10 +330,10 @@ def test_block_cuda_renders_compile_for_sm90():
     """Every block's CUDA render at its default and at every axis's far end at once (the GEMV's split over
     K, the largest tile) compiles warning-free for sm_90a: all in two translation units (a compiler run
     each, as the other sm_90 tests do), and the default qkv block once more through the real compile path."""
-    from concurrent.futures import ThreadPoolExecutor
+    from cuda_units import compile_units
 
     from forgepack import compile as compile_mod
-    from forgepack.templates.common import batch_unit, on_device
+    from forgepack.templates.common import on_device
 
     if compile_mod.nvcc_path() is None:
         pytest.skip("nvcc is not installed")
@@ -349,19 +348,9 @@ def test_block_cuda_renders_compile_for_sm90():
             sources += [t.render(cuda, "cuda", default), t.render(cuda, "cuda", far)]
     assert len(sources) >= 20
 
-    def build(unit: list[str]) -> tuple[int, str]:
-        with tempfile.TemporaryDirectory() as tmp:
-            path = Path(tmp) / "blocks.cu"
-            path.write_text(batch_unit(unit, "cuda"))
-            cmd = ["nvcc", *compile_mod._compile_flags("cuda", "sm_90a"), "-Werror", "all-warnings",
-                   "-c", str(path), "-o", str(Path(tmp) / "blocks.o")]
-            out = subprocess.run(cmd, capture_output=True, text=True, check=False)
-            return out.returncode, out.stderr[-4000:]
-
     half = (len(sources) + 1) // 2
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        for rc, log in pool.map(build, [sources[:half], sources[half:]]):
-            assert rc == 0, log
+    for rc, log in compile_units([sources[:half], sources[half:]], arch="sm_90a"):
+        assert rc == 0, log
     result = compile_mod.compile_kernel(sources[0], "cuda", "sm_90a")
     assert result.ok, result.log[-2000:]
 

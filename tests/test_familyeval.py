@@ -6,13 +6,12 @@ The families come from a real capture of a tiny Llama at several (batch, seq) po
 
 import dataclasses
 import shutil
-import subprocess
-import tempfile
 import types
 from pathlib import Path
 
 import pytest
 import torch
+from cuda_units import compile_unit
 from test_families import _captured, _tiny_llama, phi3_rotary_cats
 
 from forgepack import families, familyeval, needs
@@ -21,7 +20,6 @@ from forgepack.compile import compile_kernel
 from forgepack.evaluate import Evaluator, Verdict
 from forgepack.needs import Align, Needs
 from forgepack.templates import by_name, on_device, templates_for
-from forgepack.templates.common import batch_unit
 
 ABI_DIR = Path(__file__).resolve().parent.parent / "forgepack" / "abi"
 KERNELS = Path(__file__).resolve().parent / "kernels"
@@ -188,13 +186,8 @@ def test_generic_cuda_kernels_compile_for_sm90(fams):
             if far != params:  # the searched corners compile too: several vectors per thread, cache hints
                 sources.append(t.render(card, "cuda", far))
     assert len(sources) >= 30
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "batch.cu"
-        path.write_text(batch_unit(sources, "cuda"))
-        cmd = ["nvcc", "-O3", "-arch=sm_90", "-std=c++17", "-Werror", "all-warnings", "-I", str(ABI_DIR),
-               "-c", str(path), "-o", str(Path(tmp) / "batch.o")]
-        out = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    assert out.returncode == 0, out.stderr[-4000:]
+    rc, log = compile_unit(sources)
+    assert rc == 0, log
     res = compile_kernel(sources[0], "cuda", arch="sm_90")  # the real compile path and its static checks
     assert res.ok, res.log
 

@@ -11,19 +11,16 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
-import subprocess
-import tempfile
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 import torch
+from cuda_units import compile_units
 
 from forgepack import capture, samples
 from forgepack.capture import card_from_call
-from forgepack.compile import ABI_DIR, nvcc_arch
 from forgepack.templates import FAMILIES, REGISTRY, by_name, neighbours, on_device, refusals, templates_for
-from forgepack.templates.common import CPU_PRELUDE, batch_unit
+from forgepack.templates.common import CPU_PRELUDE
 
 A = torch.ops.aten
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
@@ -505,19 +502,9 @@ def test_cuda_sources_compile_for_sm90():
     sources = _cuda_sources()
     assert len(sources) >= 60
     batches = [sources[i:i + 12] for i in range(0, len(sources), 12)]
-
-    def build(batch):
-        with tempfile.TemporaryDirectory() as tmp:
-            path = Path(tmp) / "batch.cu"
-            path.write_text(batch_unit([s for _, s in batch], "cuda"))
-            cmd = ["nvcc", "-O3", f"-arch={nvcc_arch('sm_90')}", "-std=c++17", "-Werror", "all-warnings",
-                   "-I", str(ABI_DIR), "-c", str(path), "-o", str(Path(tmp) / "batch.o")]
-            out = subprocess.run(cmd, capture_output=True, text=True, check=False)
-            return out.returncode, out.stderr[-4000:], [n for n, _ in batch]
-
-    with ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as pool:
-        for rc, log, names in pool.map(build, batches):
-            assert rc == 0, f"nvcc failed on one of {names}:\n{log}"
+    results = compile_units([[s for _, s in batch] for batch in batches], workers=max(1, min(4, os.cpu_count() or 1)))
+    for batch, (rc, log) in zip(batches, results, strict=True):
+        assert rc == 0, f"nvcc failed on one of {[n for n, _ in batch]}:\n{log}"
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
