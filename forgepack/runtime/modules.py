@@ -308,8 +308,8 @@ class ModulePatches:
         # call, paid at every other shape an exact pack is served at)
         self.shapes = shapes or {}
         self.counters = _Counters(1 + max((s.index for s in self.sites), default=-1))
-        self._restore: list[tuple[Any, str, Any, Any]] = []  # (owner, attribute, original or _MISSING, patch)
-        self._patched: dict[str, Any] = {}  # target -> its installed patch
+        # (target, owner, attribute, original or _MISSING, patch)
+        self._restore: list[tuple[str, Any, str, Any, Any]] = []
         self._lock = threading.Lock()
         self.skipped: dict[str, str] = {}
 
@@ -353,20 +353,19 @@ class ModulePatches:
             return "its source differs from the one the kernels were verified against"
         if function:
             patched = self._function(current, sites)
-            self._restore.append((owner, attr, obj, patched))
+            self._restore.append((target, owner, attr, obj, patched))
             setattr(owner, attr, patched)
         else:
             patched = self._forward(obj, current, sites)
-            self._restore.append((obj, "forward", obj.__dict__.get("forward", _MISSING), patched))
+            self._restore.append((target, obj, "forward", obj.__dict__.get("forward", _MISSING), patched))
             obj.forward = patched
-        self._patched[target] = patched
         return None
 
     def remove(self) -> None:
         """Put every original back (the exact objects); a patch someone else has since wrapped is left in
         place, switched off: it then always calls the original."""
         with self._lock:
-            for owner, attr, original, patched in reversed(self._restore):
+            for _, owner, attr, original, patched in reversed(self._restore):
                 if owner.__dict__.get(attr, _MISSING) is not patched:
                     setattr(patched, _OFF, True)
                 elif original is _MISSING:
@@ -374,7 +373,6 @@ class ModulePatches:
                 else:
                     setattr(owner, attr, original)
             self._restore = []
-            self._patched = {}
 
     @property
     def installed(self) -> bool:
@@ -384,7 +382,7 @@ class ModulePatches:
     def targets(self) -> list[str]:
         """The targets patched now."""
         with self._lock:
-            return list(self._patched)
+            return [target for target, *_ in self._restore]
 
     @contextlib.contextmanager
     def suspended(self, keep: frozenset[str] = frozenset()):
@@ -392,7 +390,7 @@ class ModulePatches:
         whether any was switched): the decode loop records a step as stock runs it, so that a decode
         block's chain is not cut by a fused call of a site inside it."""
         with self._lock:
-            switched = [p for t, p in self._patched.items() if t not in keep and _OFF not in p.__dict__]
+            switched = [p for t, *_, p in self._restore if t not in keep and _OFF not in p.__dict__]
         for patched in switched:
             setattr(patched, _OFF, True)
         try:
