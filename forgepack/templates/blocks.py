@@ -796,6 +796,8 @@ def _entry(card: Card, target: str, body: str) -> str:
 
 
 GEMV_SPLITS = [1, 2, 4, 8]  # blocks of a cluster over K (8: the portable cluster size)
+# axes added after GEMV points were first recorded, at the value the kernels had before them
+AXES_BEFORE = {"split": 1, "prefetch": 0}
 
 
 def _tiles(plan: GemvPlan) -> list[int]:
@@ -888,12 +890,11 @@ class GemvBlockTemplate(_BlockTemplate):
         return {**point, "prefetch": 1} if "prefetch" in axes else point
 
     def render(self, card: Card, target: str, params: dict) -> str:
-        # a point recorded before the split over K was an axis (a resumed workspace's parent) is its
-        # split-1 point, the kernel it named then
-        if target == "cuda" and params and "split" not in params:
-            params = {**params, "split": 1}
-        if target == "cuda" and params and "prefetch" not in params and "prefetch" in self.space(card, target):
-            params = {**params, "prefetch": 0}  # likewise a point from before the prefetch axis
+        # a point recorded before an axis existed (a resumed workspace's parent) renders as the kernel it
+        # named then: the axis at the value that kernel had
+        if target == "cuda" and params:
+            space = self.space(card, target)
+            params = {**{k: v for k, v in AXES_BEFORE.items() if k in space}, **params}
         return super().render(card, target, params)
 
     def emit(self, card: Card, plan: GemvPlan, target: str, params: dict) -> str:
