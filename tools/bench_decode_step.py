@@ -81,13 +81,6 @@ def _load(recipe_name: str):
     return model
 
 
-def graphs_warmup() -> int:
-    """Eager calls of a shape before forgepack's graph mode captures it."""
-    from forgepack.runtime.graphs import DEFAULT_WARMUP
-
-    return DEFAULT_WARMUP
-
-
 def _sync() -> None:
     import torch
 
@@ -202,6 +195,8 @@ def point_main(model, args, batch: int, prompt: int) -> dict:
     import torch
     from torch._dynamo.utils import counters
 
+    from forgepack.runtime.graphs import DEFAULT_WARMUP  # eager calls of a shape before graph mode captures it
+
     steps = args.steps
     gen = torch.Generator(device="cpu").manual_seed(0)
     ids = torch.randint(1, model.config.vocab_size, (batch, prompt), generator=gen).to(model.device)
@@ -219,7 +214,7 @@ def point_main(model, args, batch: int, prompt: int) -> dict:
     # the 1-token request a generate() round takes off is warmed past graph mode's warm-up too: the first
     # round of every generate() column read low at 4405e9f (0.93 ms a step against 1.34), the suspect a
     # one-time cost in that round's 1-token request
-    for _ in range(graphs_warmup() + 1 if generated else 1):
+    for _ in range(DEFAULT_WARMUP + 1 if generated else 1):
         run_steps(0 if generated else steps)
     graphs_before = counters["stats"]["unique_graphs"]
     rounds = []
